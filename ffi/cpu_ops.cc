@@ -1,0 +1,359 @@
+// XLA FFI handlers for the CPU, and the nanobind module that exposes them.
+//
+// Each handler validates its buffers, then runs one of the kernel tables of
+// kernel_table.h over bucket ranges, split across the thread pool that XLA
+// hands to FFI calls when the input is large enough to pay for it.
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#if defined(__SSE__) || defined(__x86_64__)
+#include <xmmintrin.h>
+#define JAXCOMP_X86 1
+#endif
+
+#include "kernel_table.h"
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+namespace ffi = xla::ffi;
+
+namespace jaxcomp {
+namespace {
+
+const char* pick_isa() {
+#if defined(JAXCOMP_HAVE_AVX2) && defined(JAXCOMP_X86)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2")) return "avx2";
+#endif
+  return "base";
+}
+
+const KernelTable& kernels() {
+  static const KernelTable table = [] {
+#if defined(JAXCOMP_HAVE_AVX2)
+    if (std::string(pick_isa()) == "avx2") return isa_avx2::table();
+#endif
+    return isa_base::table();
+  }();
+  return table;
+}
+
+// XLA's CPU runtime computes with denormals flushed (FTZ and DAZ); the
+// kernels do the same so that they agree bit for bit with the jnp twins.
+class FlushDenormals {
+ public:
+#if defined(JAXCOMP_X86)
+  FlushDenormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved_); }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+// Runs fn(i0, i1) over [0, n) in chunks, on the calling thread and on the
+// FFI thread pool. Chunks are claimed from a shared counter, so the caller
+// never waits on a task that has not started; late tasks find no work and
+// only touch the shared state they keep alive.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t min_per_task, const F& fn) {
+  const int64_t threads = pool.num_threads();
+  const int64_t by_size = min_per_task > 0 ? n / min_per_task : n;
+  const int64_t tasks = std::min<int64_t>(threads + 1, by_size);
+  if (tasks <= 1) {
+    FlushDenormals fd;
+    if (n > 0) fn(int64_t{0}, n);
+    return;
+  }
+  const int64_t chunks = std::min<int64_t>(n, tasks * 4);
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto st = std::make_shared<State>();
+  const F* f = &fn;
+  auto run = [st, chunks, n, f]() {
+    FlushDenormals fd;
+    for (;;) {
+      const int64_t c = st->next.fetch_add(1);
+      if (c >= chunks) return;
+      (*f)(c * n / chunks, (c + 1) * n / chunks);
+      if (st->done.fetch_add(1) + 1 == chunks) {
+        { std::lock_guard<std::mutex> lock(st->mu); }
+        st->cv.notify_all();
+      }
+    }
+  };
+  for (int64_t t = 0; t + 1 < tasks; ++t) {
+    auto task = run;
+    pool.Schedule(std::move(task));
+  }
+  run();
+  std::unique_lock<std::mutex> lock(st->mu);
+  st->cv.wait(lock, [&] { return st->done.load() == chunks; });
+}
+
+// Below this many elements per task, threading costs more than it saves.
+constexpr int64_t kElementsPerTask = 1 << 16;
+
+bool to_dtype(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = DType::kF32; return true;
+    case ffi::DataType::BF16: *out = DType::kBF16; return true;
+    case ffi::DataType::F16: *out = DType::kF16; return true;
+    default: return false;
+  }
+}
+
+ffi::Error invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+int64_t num_buckets(int64_t n, int64_t bucket) { return (n + bucket - 1) / bucket; }
+
+bool valid_bucket(int64_t b) { return b >= 8 && b <= (1 << 16) && (b & (b - 1)) == 0; }
+
+// Common checks of a bucketed encode; returns an error string or "".
+std::string check_bucketed(ffi::AnyBuffer& x, int64_t bucket, int64_t body_bytes, int64_t body_expected,
+                           int64_t scale_count, int64_t scale_expected, DType* dt) {
+  if (!to_dtype(x.element_type(), dt)) return "input must be float32, bfloat16 or float16";
+  if (!valid_bucket(bucket)) return "bucket_size must be a power of two in [8, 65536]";
+  if (x.element_count() >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
+  if (body_bytes != body_expected) return "payload buffer has the wrong size";
+  if (scale_count != scale_expected) return "scale buffer has the wrong size";
+  return "";
+}
+
+// ---------------------------------------------------------------------------
+// QSGD
+// ---------------------------------------------------------------------------
+ffi::Error QsgdEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                          ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
+                          int64_t bucket, int64_t l2) {
+  const char* op = "jaxcomp_qsgd_encode";
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
+  if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  DType dt;
+  std::string err = check_bucketed(x, bucket, packed->element_count(), nb * bucket / 8 * bits,
+                                   scales->element_count(), nb, &dt);
+  if (!err.empty()) return invalid(op, err);
+  const uint32_t k0 = seed.typed_data()[0], k1 = seed.typed_data()[1];
+  uint8_t* p = packed->typed_data();
+  float* s = scales->typed_data();
+  const void* xd = x.untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().qsgd_encode(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, static_cast<int>(bits),
+                          l2 != 0, k0, k1, p, s);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error QsgdDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
+  const char* op = "jaxcomp_qsgd_decode";
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
+  DType dt;
+  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (packed.element_count() != nb * bucket / 8 * bits) return invalid(op, "payload buffer has the wrong size");
+  if (scales.element_count() != nb) return invalid(op, "scale buffer has the wrong size");
+  const uint8_t* p = packed.typed_data();
+  const float* s = scales.typed_data();
+  void* o = out->untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().qsgd_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, static_cast<int>(bits), p, s);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Int8
+// ---------------------------------------------------------------------------
+ffi::Error Int8EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S8> q,
+                          ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
+  const char* op = "jaxcomp_int8_encode";
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  DType dt;
+  std::string err =
+      check_bucketed(x, bucket, q->element_count(), nb * bucket, scales->element_count(), nb, &dt);
+  if (!err.empty()) return invalid(op, err);
+  int8_t* qd = q->typed_data();
+  float* s = scales->typed_data();
+  const void* xd = x.untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().int8_encode(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, qd, s);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Int8DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scales,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_int8_decode";
+  DType dt;
+  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (q.element_count() != nb * bucket) return invalid(op, "payload buffer has the wrong size");
+  if (scales.element_count() != nb) return invalid(op, "scale buffer has the wrong size");
+  const int8_t* qd = q.typed_data();
+  const float* s = scales.typed_data();
+  void* o = out->untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().int8_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, qd, s);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// 1-bit SGD
+// ---------------------------------------------------------------------------
+ffi::Error OnebitEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
+                            ffi::ResultBuffer<ffi::F32> means, int64_t bucket) {
+  const char* op = "jaxcomp_onebit_encode";
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  DType dt;
+  std::string err =
+      check_bucketed(x, bucket, bits->element_count(), nb * bucket / 8, means->element_count(), 2 * nb, &dt);
+  if (!err.empty()) return invalid(op, err);
+  uint8_t* bd = bits->typed_data();
+  float* m = means->typed_data();
+  const void* xd = x.untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().onebit_encode(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, bd, m);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error OnebitDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_onebit_decode";
+  DType dt;
+  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (bits.element_count() != nb * bucket / 8) return invalid(op, "payload buffer has the wrong size");
+  if (means.element_count() != 2 * nb) return invalid(op, "means buffer has the wrong size");
+  const uint8_t* bd = bits.typed_data();
+  const float* m = means.typed_data();
+  void* o = out->untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().onebit_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, bd, m);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Float casts (the Cast codec's encode and decode)
+// ---------------------------------------------------------------------------
+ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  const char* op = "jaxcomp_cast";
+  DType from, to;
+  if (!to_dtype(x.element_type(), &from)) return invalid(op, "input must be float32, bfloat16 or float16");
+  if (!to_dtype(y->element_type(), &to)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (x.element_count() != y->element_count()) return invalid(op, "input and output sizes differ");
+  const void* in = x.untyped_data();
+  void* out = y->untyped_data();
+  parallel_for(pool, x.element_count(), kElementsPerTask,
+               [&](int64_t i0, int64_t i1) { kernels().cast(from, to, in, out, i0, i1); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncode, jaxcomp::QsgdEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Attr<int64_t>("bits")          // 2, 3, 4 or 8
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("l2"));          // 1: L2 norm, 0: max norm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecode, jaxcomp::QsgdDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompInt8Encode, jaxcomp::Int8EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Ret<ffi::Buffer<ffi::S8>>()    // q in [-127, 127]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompInt8Decode, jaxcomp::Int8DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompOnebitEncode, jaxcomp::OnebitEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // sign bits, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompOnebitDecode, jaxcomp::OnebitDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // sign bits
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCast, jaxcomp::CastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even
+
+namespace {
+template <typename T>
+nb::capsule capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_jaxcomp_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jaxcomp_qsgd_encode"] = capsule(JaxcompQsgdEncode);
+    d["jaxcomp_qsgd_decode"] = capsule(JaxcompQsgdDecode);
+    d["jaxcomp_int8_encode"] = capsule(JaxcompInt8Encode);
+    d["jaxcomp_int8_decode"] = capsule(JaxcompInt8Decode);
+    d["jaxcomp_onebit_encode"] = capsule(JaxcompOnebitEncode);
+    d["jaxcomp_onebit_decode"] = capsule(JaxcompOnebitDecode);
+    d["jaxcomp_cast"] = capsule(JaxcompCast);
+    return d;
+  });
+  m.def("isa", []() { return std::string(jaxcomp::pick_isa()); }, "Instruction set the CPU kernels use.");
+}

@@ -1,0 +1,166 @@
+// Shared, XLA-free building blocks of every jaxcomp kernel.
+//
+// Everything here is marked host+device so the CPU handlers (ffi/) and the
+// CUDA kernels (cuda/) run the same bodies. The pure-JAX twins in
+// jaxcomp/ops/ implement exactly the same arithmetic; any change here must be
+// mirrored there (the bit-exactness tests catch a mismatch).
+#pragma once
+
+#include <math.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JC_HD __host__ __device__ __forceinline__
+#else
+#define JC_HD inline
+#endif
+
+namespace jaxcomp {
+
+// ---------------------------------------------------------------------------
+// Bit casts.
+// ---------------------------------------------------------------------------
+JC_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+JC_HD float bits_f32(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+// ---------------------------------------------------------------------------
+// Counter-based random bits: a pure function of (k0, k1, element index).
+// Two rounds of the "lowbias32" integer hash (Wellons, 2018). Twin:
+// jaxcomp/ops/rng.py.
+// ---------------------------------------------------------------------------
+JC_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+JC_HD uint32_t rng_bits(uint32_t k0, uint32_t k1, uint32_t index) {
+  return mix32(mix32(index + k0) ^ k1);
+}
+
+// Uniform in [0, 1) on the 2^-24 grid; exact in float32.
+JC_HD float rng_uniform(uint32_t k0, uint32_t k1, uint32_t index) {
+  return static_cast<float>(rng_bits(k0, k1, index) >> 8) * 5.9604644775390625e-08f;
+}
+
+// ---------------------------------------------------------------------------
+// 16-bit float storage types and conversions, done on integer bits so they do
+// not depend on the FPU's denormal mode. Rounding is to nearest even; NaN
+// handling follows XLA's CPU conversions (bf16: canonical quiet NaN with the
+// sign; f16: quiet NaN keeping the top payload bits).
+// ---------------------------------------------------------------------------
+struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
+  uint16_t bits;
+};
+
+JC_HD float to_f32(float v) { return v; }
+JC_HD float to_f32(bf16_t v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }
+JC_HD float to_f32(f16_t v) {
+  const uint32_t h = v.bits;
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (mant << 13));
+  if (exp != 0) return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+  if (mant == 0) return bits_f32(sign);
+  // Subnormal half: normalize (the result is a normal float32).
+  uint32_t e = 113u;
+  while ((mant & 0x400u) == 0) {
+    mant <<= 1;
+    --e;
+  }
+  return bits_f32(sign | (e << 23) | ((mant & 0x3ffu) << 13));
+}
+
+JC_HD uint16_t f32_to_bf16_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u);
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(rounded >> 16);
+}
+
+JC_HD uint16_t f32_to_f16_bits(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a >= 0x38800000u) {                                              // normal half
+    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+    return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
+  }
+  if (a < 0x33000000u) return static_cast<uint16_t>(sign);  // below half of the smallest subnormal
+  // Subnormal half: shift the full significand, round to nearest even.
+  const uint32_t e = a >> 23;
+  const uint32_t m = (a & 0x7fffffu) | 0x800000u;
+  const uint32_t shift = 126u - e;  // in [14, 24]
+  const uint32_t q = m >> shift;
+  const uint32_t rem = m & ((1u << shift) - 1u);
+  const uint32_t half = 1u << (shift - 1u);
+  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
+  return static_cast<uint16_t>(sign | (q + up));
+}
+
+template <typename T>
+JC_HD T from_f32(float v);
+template <>
+JC_HD float from_f32<float>(float v) {
+  return v;
+}
+template <>
+JC_HD bf16_t from_f32<bf16_t>(float v) {
+  return bf16_t{f32_to_bf16_bits(v)};
+}
+template <>
+JC_HD f16_t from_f32<f16_t>(float v) {
+  return f16_t{f32_to_f16_bits(v)};
+}
+
+// |v| as ordered integer bits: for non-negative floats the integer order is
+// the float order, and every NaN sorts above +inf, so an integer max over a
+// bucket is an exact, order-independent max|v| that propagates NaN.
+JC_HD uint32_t abs_bits(float v) { return f32_bits(v) & 0x7fffffffu; }
+
+// ---------------------------------------------------------------------------
+// Bit packing: groups of 8 codes of `bits` bits (1..4) become `bits` bytes,
+// code j of a group at bit offset j*bits, little-endian. 8-bit codes are
+// stored as they are.
+// ---------------------------------------------------------------------------
+JC_HD void pack8(const uint8_t* codes, int bits, uint8_t* out) {
+  uint32_t w = 0;
+  for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(codes[j]) << (j * bits);
+  for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+}
+
+JC_HD uint32_t unpack_code(const uint8_t* group, int bits, int j) {
+  uint32_t w = 0;
+  for (int b = 0; b < bits; ++b) w |= static_cast<uint32_t>(group[b]) << (8 * b);
+  return (w >> (j * bits)) & ((1u << bits) - 1u);
+}
+
+}  // namespace jaxcomp

@@ -1,0 +1,46 @@
+"""Bucket helpers of the twins, mirroring cpu_kernels.inc."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+def num_buckets(n: int, bucket: int) -> int:
+    return -(-n // bucket)
+
+
+def to_buckets(x: jax.Array, bucket: int) -> jax.Array:
+    """Flat input -> float32 (num_buckets, bucket), zero padded."""
+    n = x.size
+    nb = num_buckets(n, bucket)
+    flat = x.reshape(-1).astype(jnp.float32)
+    return jnp.pad(flat, (0, nb * bucket - n)).reshape(nb, bucket)
+
+
+def from_buckets(buckets: jax.Array, n: int, dtype: jnp.dtype) -> jax.Array:
+    """(num_buckets, bucket) float32 -> flat output of n elements in dtype."""
+    return buckets.reshape(-1)[:n].astype(dtype)
+
+
+def max_abs(buckets: jax.Array) -> jax.Array:
+    """Exact per-bucket max|x| through the ordered integer bits (NaN wins)."""
+    bits = lax.bitcast_convert_type(buckets, jnp.uint32) & np.uint32(0x7FFFFFFF)
+    return lax.bitcast_convert_type(jnp.max(bits, axis=1), jnp.float32)
+
+
+def tree_sum(a: jax.Array) -> jax.Array:
+    """Per-row sum in the halving-tree order of codecs.h."""
+    w = a.shape[1] // 2
+    while w >= 1:
+        a = a[:, :w] + a[:, w : 2 * w]
+        w //= 2
+    return a[:, 0]
+
+
+def safe_recip(scale: jax.Array, numerator: float) -> jax.Array:
+    """numerator / scale where scale > 0, else 0 (codecs.h: qsgd_inv, int8_inv)."""
+    positive = scale > 0
+    return jnp.where(positive, np.float32(numerator) / jnp.where(positive, scale, 1.0), 0.0)

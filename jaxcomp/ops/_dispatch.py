@@ -1,0 +1,59 @@
+"""Platform dispatch between FFI kernels and their pure-JAX twins.
+
+This is the only place that decides which implementation runs. ``backend``:
+"xla" always runs the twin; "ffi" always calls the kernel (lowering fails on a
+platform without one); "auto" runs the kernel on platforms that have one and
+the twin elsewhere (TPU, a GPU build without CUDA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from jax import lax
+
+from jaxcomp._ffi import cpu_available, cuda_available, resolve_backend
+
+
+def ffi_call(
+    target: str,
+    results: Sequence[jax.ShapeDtypeStruct],
+    *args: jax.Array,
+    **attrs: int,
+) -> tuple[jax.Array, ...]:
+    """Calls an FFI target; integer attributes are passed as exact int64."""
+    call = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")
+    return tuple(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+
+
+def dispatch(
+    backend: str,
+    kernel: Callable[..., tuple[jax.Array, ...]],
+    twin: Callable[..., tuple[jax.Array, ...]],
+    *args: jax.Array,
+) -> tuple[jax.Array, ...]:
+    """Runs ``kernel(*args)`` or ``twin(*args)`` according to ``backend``."""
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return tuple(twin(*args))
+    cpu, cuda = cpu_available(), cuda_available()
+    if backend == "ffi":
+        if not (cpu or cuda):
+            raise RuntimeError(
+                "backend='ffi' but the jaxcomp kernels are not built; reinstall the "
+                "package (pip install .) or use backend='xla'"
+            )
+        return tuple(kernel(*args))
+    if any(a.size == 0 for a in args if hasattr(a, "size")):
+        # Nothing to compute; the twin handles empty shapes without a custom call.
+        return tuple(twin(*args))
+    return tuple(
+        lax.platform_dependent(
+            *args,
+            cpu=kernel if cpu else twin,
+            cuda=kernel if cuda else twin,
+            default=twin,
+        )
+    )

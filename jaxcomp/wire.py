@@ -1,0 +1,1 @@
+"""Versioned byte format of a payload (docs/wire-format.md)."""
