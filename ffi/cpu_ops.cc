@@ -16,6 +16,10 @@
 #define JAXCOMP_X86 1
 #endif
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "kernel_table.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -102,6 +106,23 @@ void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t min_per_task, const 
   st->cv.wait(lock, [&] { return st->done.load() == chunks; });
 }
 
+// A large output is usually a fresh allocation, and first-touch page faults
+// then cost more than the kernel itself. On Linux, ask for transparent huge
+// pages over the whole-2-MiB part of the buffer (a hint; harmless if refused
+// or if the memory is already mapped).
+void hint_huge_pages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  if (bytes < 4 * static_cast<int64_t>(kHuge)) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 // Below this many elements per task, threading costs more than it saves.
 constexpr int64_t kElementsPerTask = 1 << 16;
 
@@ -173,6 +194,7 @@ ffi::Error QsgdDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi
   const uint8_t* p = packed.typed_data();
   const float* s = scales.typed_data();
   void* o = out->untyped_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     kernels().qsgd_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, static_cast<int>(bits), p, s);
   });
@@ -193,6 +215,7 @@ ffi::Error Int8EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuf
   if (!err.empty()) return invalid(op, err);
   int8_t* qd = q->typed_data();
   float* s = scales->typed_data();
+  hint_huge_pages(qd, q->element_count());
   const void* xd = x.untyped_data();
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     kernels().int8_encode(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, qd, s);
@@ -213,6 +236,7 @@ ffi::Error Int8DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buf
   const int8_t* qd = q.typed_data();
   const float* s = scales.typed_data();
   void* o = out->untyped_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     kernels().int8_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, qd, s);
   });
@@ -253,6 +277,7 @@ ffi::Error OnebitDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> bits, ffi
   const uint8_t* bd = bits.typed_data();
   const float* m = means.typed_data();
   void* o = out->untyped_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     kernels().onebit_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, bd, m);
   });
@@ -270,6 +295,7 @@ ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   if (x.element_count() != y->element_count()) return invalid(op, "input and output sizes differ");
   const void* in = x.untyped_data();
   void* out = y->untyped_data();
+  hint_huge_pages(out, static_cast<int64_t>(y->size_bytes()));
   parallel_for(pool, x.element_count(), kElementsPerTask,
                [&](int64_t i0, int64_t i1) { kernels().cast(from, to, in, out, i0, i1); });
   return ffi::Error::Success();

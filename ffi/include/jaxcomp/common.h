@@ -62,7 +62,8 @@ JC_HD uint32_t rng_bits(uint32_t k0, uint32_t k1, uint32_t index) {
 
 // Uniform in [0, 1) on the 2^-24 grid; exact in float32.
 JC_HD float rng_uniform(uint32_t k0, uint32_t k1, uint32_t index) {
-  return static_cast<float>(rng_bits(k0, k1, index) >> 8) * 5.9604644775390625e-08f;
+  // Through int32: the value fits in 24 bits, and signed conversion vectorizes.
+  return static_cast<float>(static_cast<int32_t>(rng_bits(k0, k1, index) >> 8)) * 5.9604644775390625e-08f;
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""Shared test helpers: input generators and byte-level comparison."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def gradient_like(n: int, seed: int = 0, dtype="float32") -> jnp.ndarray:
+    """Heavy-tailed values over several orders of magnitude, with exact
+    zeros, negative zeros and float32 subnormals mixed in."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 2.0)
+    x = x.astype(np.float32)
+    if n >= 8:
+        x[rng.integers(0, n, size=max(1, n // 50))] = 0.0
+        x[rng.integers(0, n, size=max(1, n // 50))] = -0.0
+        x[rng.integers(0, n, size=max(1, n // 100))] = np.float32(3e-39)  # subnormal
+    return jnp.asarray(x).astype(dtype)
+
+
+def as_bytes(a) -> bytes:
+    return np.asarray(a).tobytes()
+
+
+def assert_same_bytes(a, b, what: str = "") -> None:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    if a.tobytes() != b.tobytes():
+        ua = a.reshape(-1).view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
+        ub = b.reshape(-1).view(ua.dtype)
+        bad = np.nonzero(ua != ub)[0]
+        raise AssertionError(f"{what}: {bad.size} elements differ, first at {bad[:5]}: {a.reshape(-1)[bad[:5]]} vs {b.reshape(-1)[bad[:5]]}")
+
+
+def assert_same_payload(p, q, what: str = "") -> None:
+    assert p.codec == q.codec and p.shape == q.shape and p.dtype == q.dtype
+    assert list(p.arrays) == list(q.arrays)
+    for k in p.arrays:
+        assert_same_bytes(p[k], q[k], f"{what} array {k!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "backend"))
+def encode(x, key, codec, backend="auto"):
+    """Jitted encode (one compile per codec, backend and shape)."""
+    return codec.encode(x, key, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("backend",))
+def decode(payload, backend="auto"):
+    return payload.codec.decode(payload, backend=backend)
