@@ -20,8 +20,14 @@ def mix32(x: jax.Array) -> jax.Array:
 
 
 def rng_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
-    """32 random bits for each uint32 element index, a pure function of seed."""
-    return mix32(mix32(index + seed[0]) ^ seed[1])
+    """32 random bits for each uint32 element index, a pure function of seed.
+
+    The seed words are mixed first, so no two seeds give shifted copies of
+    one stream.
+    """
+    a = mix32(seed[0])
+    b = mix32(seed[1] ^ a)
+    return mix32(mix32(index + a) ^ b)
 
 
 def rng_uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
