@@ -31,8 +31,14 @@ def cpu_available() -> bool:
     return _load("_jaxcomp_cpu", "cpu")
 
 
+@functools.cache
 def cuda_available() -> bool:
-    """Whether the CUDA kernels are built and registered."""
+    """Whether the CUDA kernels are built and registered (needs a CUDA backend)."""
+    try:
+        if not jax.devices("cuda"):
+            return False
+    except RuntimeError:
+        return False
     return _load("_jaxcomp_cuda", "CUDA")
 
 

@@ -49,7 +49,9 @@ class Payload:
     @property
     def nbytes(self) -> int:
         """Bytes the payload occupies on the wire (static)."""
-        return sum(int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in self._arrays.values())
+        return sum(
+            int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in self._arrays.values()
+        )
 
     @property
     def used_nbytes(self) -> jax.Array:
@@ -70,5 +72,7 @@ class Payload:
         return cls(codec, shape, dtype, dict(zip(names, children, strict=True)))
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={jnp.dtype(v.dtype).name}{list(v.shape)}" for k, v in self._arrays.items())
+        fields = ", ".join(
+            f"{k}={jnp.dtype(v.dtype).name}{list(v.shape)}" for k, v in self._arrays.items()
+        )
         return f"Payload({self.codec!r}, shape={self.shape}, dtype={self.dtype.name}, {fields})"

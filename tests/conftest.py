@@ -5,10 +5,16 @@ import os
 # Must happen before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-import jaxcomp as jc  # noqa: E402
+import jaxcomp as jc
+
+if os.environ.get("JAXCOMP_REQUIRE_KERNELS") == "1" and not jc.cpu_available():
+    raise RuntimeError(
+        "JAXCOMP_REQUIRE_KERNELS=1 but the CPU kernels are not importable: the tests would "
+        "silently run the pure-JAX twins only (is the source tree shadowing the installed package?)"
+    )
 
 
 def codec_id(c) -> str:

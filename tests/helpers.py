@@ -28,12 +28,16 @@ def as_bytes(a) -> bytes:
 
 def assert_same_bytes(a, b, what: str = "") -> None:
     a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype and a.shape == b.shape, f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    assert a.dtype == b.dtype and a.shape == b.shape, (
+        f"{what}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+    )
     if a.tobytes() != b.tobytes():
         ua = a.reshape(-1).view(np.uint8 if a.dtype.itemsize == 1 else f"u{a.dtype.itemsize}")
         ub = b.reshape(-1).view(ua.dtype)
         bad = np.nonzero(ua != ub)[0]
-        raise AssertionError(f"{what}: {bad.size} elements differ, first at {bad[:5]}: {a.reshape(-1)[bad[:5]]} vs {b.reshape(-1)[bad[:5]]}")
+        raise AssertionError(
+            f"{what}: {bad.size} elements differ, first at {bad[:5]}: {a.reshape(-1)[bad[:5]]} vs {b.reshape(-1)[bad[:5]]}"
+        )
 
 
 def assert_same_payload(p, q, what: str = "") -> None:

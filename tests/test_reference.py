@@ -114,7 +114,9 @@ def test_onebit_matches_seide(bucket, n):
         if pos.any():
             np.testing.assert_allclose(hi, v[pos].astype(np.float64).mean(), rtol=2e-6)
     np.testing.assert_array_equal(np.asarray(p["means"]), np.array(means, np.float32))
-    np.testing.assert_array_equal(np.asarray(p["bits"]), np.packbits(xb.reshape(-1) >= 0, bitorder="little"))
+    np.testing.assert_array_equal(
+        np.asarray(p["bits"]), np.packbits(xb.reshape(-1) >= 0, bitorder="little")
+    )
     m = np.array(means, np.float32).reshape(-1, 2)
     expect = np.where(xb >= 0, m[:, :1], m[:, 1:]).reshape(-1)[:n]
     np.testing.assert_array_equal(np.asarray(decode(p)), expect)
@@ -146,5 +148,9 @@ def test_cast_is_round_to_nearest_even(target):
     x = plain_inputs(5000, seed=3)
     x[:4] = [65519.0, 65520.0, 1e-7, -3e-8]  # f16 overflow boundary and subnormals
     p = encode(jnp.asarray(x), None, jc.codecs.Cast(target))
-    np.testing.assert_array_equal(np.asarray(p["values"]).view(np.uint16), x.astype(jnp.dtype(target)).view(np.uint16))
-    np.testing.assert_array_equal(np.asarray(decode(p)), x.astype(jnp.dtype(target)).astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(p["values"]).view(np.uint16), x.astype(jnp.dtype(target)).view(np.uint16)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(decode(p)), x.astype(jnp.dtype(target)).astype(np.float32)
+    )

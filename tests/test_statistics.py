@@ -52,7 +52,7 @@ def test_qsgd_is_unbiased_within_its_variance(codec):
     x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
     keys = jax.random.split(jax.random.key(1234), K)
     q = np.asarray(_samples(jnp.asarray(x), keys, codec), np.float64)
-    step, frac, xb, scale = _qsgd_levels(x, codec)
+    step, frac, _xb, _scale = _qsgd_levels(x, codec)
     var = step**2 * frac * (1 - frac)  # exact per-element variance of the codec
     mean = q.mean(0)
 
@@ -99,7 +99,9 @@ def test_keys_give_independent_encodings():
     # Every value but each bucket's max (1.0) rounds to 0 or 1 with p = 1/2.
     x = jnp.full((4096,), 0.5, jnp.float32).at[::512].set(1.0)
     keys = jax.random.split(jax.random.key(3), 64)
-    coins = np.asarray(_samples(x, keys, codec)).reshape(64, -1, 512)[:, :, 1:].reshape(64, -1) > 0.75
+    coins = (
+        np.asarray(_samples(x, keys, codec)).reshape(64, -1, 512)[:, :, 1:].reshape(64, -1) > 0.75
+    )
     m = coins.shape[1]
     assert abs(coins.mean() - 0.5) < 6 * 0.5 / np.sqrt(coins.size)
     # Pairwise agreement between keys: 0.5 +- 6 sigma for m fair coins.

@@ -77,7 +77,9 @@ class Codec:
         """Names, shapes and dtypes of the payload arrays for an input."""
         raise NotImplementedError
 
-    def _encode(self, flat: jax.Array, seed: jax.Array | None, backend: str) -> dict[str, jax.Array]:
+    def _encode(
+        self, flat: jax.Array, seed: jax.Array | None, backend: str
+    ) -> dict[str, jax.Array]:
         raise NotImplementedError
 
     def _decode(self, payload: Payload, n: int, dtype: np.dtype, backend: str) -> jax.Array:
@@ -91,7 +93,9 @@ class Codec:
     def from_wire_params(cls, params: tuple[int, ...]) -> Codec:
         raise NotImplementedError
 
-    def bits_per_element(self, shape: tuple[int, ...] = (1 << 20,), dtype: Any = jnp.float32) -> float:
+    def bits_per_element(
+        self, shape: tuple[int, ...] = (1 << 20,), dtype: Any = jnp.float32
+    ) -> float:
         """Wire bits per input element for an input of this shape (default 2^20)."""
         n = int(np.prod(shape, dtype=np.int64))
         return 8.0 * self.wire_nbytes(shape, dtype) / max(n, 1)
@@ -115,7 +119,9 @@ class Codec:
                 "expected float32, bfloat16 or float16"
             )
         if x.size > _MAX_ELEMENTS:
-            raise ValueError(f"{type(self).__name__}.encode: inputs are limited to 2^32 - 1 elements")
+            raise ValueError(
+                f"{type(self).__name__}.encode: inputs are limited to 2^32 - 1 elements"
+            )
         return x
 
     def encode(self, x: Any, key: jax.Array | None = None, *, backend: str = "auto") -> Payload:
@@ -141,7 +147,9 @@ class Codec:
     def decode(self, payload: Payload, *, backend: str = "auto") -> jax.Array:
         """Decodes a payload of this codec to the original shape and dtype."""
         if not isinstance(payload, Payload):
-            raise TypeError(f"{type(self).__name__}.decode expects a Payload, got {type(payload).__name__}")
+            raise TypeError(
+                f"{type(self).__name__}.decode expects a Payload, got {type(payload).__name__}"
+            )
         if payload.codec != self:
             raise ValueError(f"{self!r}.decode got a payload of {payload.codec!r}")
         expected = self.layout(payload.shape, payload.dtype)

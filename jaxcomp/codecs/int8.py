@@ -50,7 +50,12 @@ class Int8(Codec):
 
     def _decode(self, payload, n, dtype, backend):
         return ops.decode(
-            payload["q"], payload["scales"], n=n, dtype=dtype, bucket=self.bucket_size, backend=backend
+            payload["q"],
+            payload["scales"],
+            n=n,
+            dtype=dtype,
+            bucket=self.bucket_size,
+            backend=backend,
         )
 
     def wire_params(self):

@@ -52,7 +52,12 @@ class OneBit(Codec):
 
     def _decode(self, payload, n, dtype, backend):
         return ops.decode(
-            payload["bits"], payload["means"], n=n, dtype=dtype, bucket=self.bucket_size, backend=backend
+            payload["bits"],
+            payload["means"],
+            n=n,
+            dtype=dtype,
+            bucket=self.bucket_size,
+            backend=backend,
         )
 
     def wire_params(self):

@@ -67,14 +67,24 @@ class QSGD(Codec):
 
     def _encode(self, flat, seed, backend):
         codes, scales = ops.encode(
-            flat, seed, bits=self.bits, bucket=self.bucket_size, l2=self.norm == "l2", backend=backend
+            flat,
+            seed,
+            bits=self.bits,
+            bucket=self.bucket_size,
+            l2=self.norm == "l2",
+            backend=backend,
         )
         return {"codes": codes, "scales": scales}
 
     def _decode(self, payload, n, dtype, backend):
         return ops.decode(
-            payload["codes"], payload["scales"], n=n, dtype=dtype,
-            bits=self.bits, bucket=self.bucket_size, backend=backend,
+            payload["codes"],
+            payload["scales"],
+            n=n,
+            dtype=dtype,
+            bits=self.bits,
+            bucket=self.bucket_size,
+            backend=backend,
         )
 
     def wire_params(self):

@@ -61,8 +61,13 @@ def encode(x, seed, *, bits: int, bucket: int, l2: bool, backend: str = "auto"):
 
     def kernel(x, seed):
         return ffi_call(
-            "jaxcomp_qsgd_encode", _shapes(x.size, bits, bucket), x, seed,
-            bits=bits, bucket_size=bucket, l2=int(l2),
+            "jaxcomp_qsgd_encode",
+            _shapes(x.size, bits, bucket),
+            x,
+            seed,
+            bits=bits,
+            bucket_size=bucket,
+            l2=int(l2),
         )
 
     def twin(x, seed):
@@ -76,7 +81,9 @@ def decode(packed, scales, *, n: int, dtype, bits: int, bucket: int, backend: st
     out = jax.ShapeDtypeStruct((n,), jnp.dtype(dtype))
 
     def kernel(packed, scales):
-        return ffi_call("jaxcomp_qsgd_decode", (out,), packed, scales, bits=bits, bucket_size=bucket)
+        return ffi_call(
+            "jaxcomp_qsgd_decode", (out,), packed, scales, bits=bits, bucket_size=bucket
+        )
 
     def twin(packed, scales):
         return (decode_ref(packed, scales, n=n, dtype=dtype, bits=bits, bucket=bucket),)

@@ -1,0 +1,25 @@
+"""The README's usage example runs as written."""
+
+import pathlib
+import re
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_usage_example_runs():
+    text = README.read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert blocks, "README has no python example"
+    for block in blocks:
+        scope: dict = {}
+        exec(compile(block, str(README), "exec"), scope)
+        if "payload" in scope:
+            assert scope["payload"].nbytes == 508_040
+
+
+def test_ci_runs_the_readme_test_command():
+    text = README.read_text()
+    commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    test_cmd = next(c for c in commands if "pytest" in c)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert test_cmd in ci.splitlines()
