@@ -1,0 +1,330 @@
+// XLA FFI handlers for CUDA (module.cc exposes them to Python).
+//
+// The targets, their buffers, attributes, checks and error messages are those
+// of ffi/cpu_ops.cc; only the context differs (the CUDA stream instead of the
+// thread pool). Each handler validates, then launches one kernel of
+// kernels.cuh on XLA's stream and checks the launch. Nothing is synchronized
+// or copied to the host: the seed and the scales stay in device memory.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "kernels.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxcomp {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Validation, shared word for word with cpu_ops.cc.
+// ---------------------------------------------------------------------------
+ffi::Error invalid(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + what);
+}
+
+bool is_float(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+// Typed buffers count in size_t, AnyBuffer in int64_t; compare in int64_t.
+template <typename B>
+int64_t count(const B& b) {
+  return static_cast<int64_t>(b.element_count());
+}
+
+int64_t num_buckets(int64_t n, int64_t bucket) { return (n + bucket - 1) / bucket; }
+
+bool valid_bucket(int64_t b) { return b >= 8 && b <= (1 << 16) && (b & (b - 1)) == 0; }
+
+// Common checks of a bucketed encode; returns an error string or "".
+std::string check_bucketed(ffi::AnyBuffer& x, int64_t bucket, int64_t body_bytes, int64_t body_expected,
+                           int64_t scale_count, int64_t scale_expected) {
+  if (!is_float(x.element_type())) return "input must be float32, bfloat16 or float16";
+  if (!valid_bucket(bucket)) return "bucket_size must be a power of two in [8, 65536]";
+  if (x.element_count() >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
+  if (body_bytes != body_expected) return "payload buffer has the wrong size";
+  if (scale_count != scale_expected) return "scale buffer has the wrong size";
+  return "";
+}
+
+// ---------------------------------------------------------------------------
+// Launch helpers.
+// ---------------------------------------------------------------------------
+
+// Runs fn(T{}) with T the storage type of a float dtype (checked before).
+template <typename Fn>
+void with_type(ffi::DataType t, Fn&& fn) {
+  switch (t) {
+    case ffi::DataType::BF16: return fn(bf16_t{});
+    case ffi::DataType::F16: return fn(f16_t{});
+    default: return fn(float{});
+  }
+}
+
+// XLA's buffers are normally aligned well beyond 16 bytes, which the kernels
+// use for 16-byte accesses; the check keeps them correct on any other pointer
+// (with scalar accesses).
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+int log2_int(int64_t v) {
+  int l = 0;
+  while ((int64_t{1} << l) < v) ++l;
+  return l;
+}
+
+Geometry geometry(int64_t bucket) {
+  Geometry g;
+  g.bucket = static_cast<int>(bucket);
+  g.lanes = static_cast<int>(bucket / 8 < kThreads ? bucket / 8 : kThreads);
+  g.lane_levels = log2_int(bucket / g.lanes);
+  g.per_block = kThreads / g.lanes;
+  return g;
+}
+
+// Blocks for an encode: one segment per bucket (at most 2^29 buckets, so the
+// count fits a grid dimension).
+unsigned encode_blocks(int64_t nb, const Geometry& g) {
+  return static_cast<unsigned>((nb + g.per_block - 1) / g.per_block);
+}
+
+// Blocks for a grid-stride loop over the groups of 8 of n elements: enough to
+// fill any current GPU several times over, never more than there is work.
+unsigned flat_blocks(int64_t n) {
+  constexpr int64_t kMaxBlocks = 8192;
+  const int64_t groups = (n + 7) / 8;
+  const int64_t blocks = (groups + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+// Launches are asynchronous; this reports a bad configuration or an earlier
+// failure on the stream's device under the op's name.
+ffi::Error launched(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// QSGD
+// ---------------------------------------------------------------------------
+ffi::Error QsgdEncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                          ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
+                          int64_t bucket, int64_t l2) {
+  const char* op = "jaxcomp_qsgd_encode";
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
+  if (count(seed) != 2) return invalid(op, "seed must have 2 uint32 words");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  std::string err =
+      check_bucketed(x, bucket, packed->element_count(), nb * bucket / 8 * bits, scales->element_count(), nb);
+  if (!err.empty()) return invalid(op, err);
+  if (n == 0) return ffi::Error::Success();
+  const Geometry g = geometry(bucket);
+  uint8_t* p = packed->typed_data();
+  const bool vec = aligned16(x.untyped_data()) && aligned16(p);
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xd = static_cast<const T*>(x.untyped_data());
+    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits), seed.typed_data(),
+                                                          p, scales->typed_data(), vec);
+  });
+  return launched(op);
+}
+
+ffi::Error QsgdDecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
+  const char* op = "jaxcomp_qsgd_decode";
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (count(packed) != nb * bucket / 8 * bits) return invalid(op, "payload buffer has the wrong size");
+  if (count(scales) != nb) return invalid(op, "scale buffer has the wrong size");
+  if (n == 0) return ffi::Error::Success();
+  const uint8_t* p = packed.typed_data();
+  const bool vec = aligned16(p) && aligned16(out->untyped_data());
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    qsgd_decode_kernel<T><<<flat_blocks(n), kThreads, 0, stream>>>(
+        p, scales.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket / 8),
+        static_cast<int>(bits), vec);
+  });
+  return launched(op);
+}
+
+// ---------------------------------------------------------------------------
+// Int8
+// ---------------------------------------------------------------------------
+ffi::Error Int8EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S8> q,
+                          ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
+  const char* op = "jaxcomp_int8_encode";
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  std::string err = check_bucketed(x, bucket, q->element_count(), nb * bucket, scales->element_count(), nb);
+  if (!err.empty()) return invalid(op, err);
+  if (n == 0) return ffi::Error::Success();
+  const Geometry g = geometry(bucket);
+  int8_t* qd = q->typed_data();
+  const bool vec = aligned16(x.untyped_data()) && aligned16(qd);
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    int8_encode_kernel<T><<<encode_blocks(nb, g), kThreads, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), n, nb, g, qd, scales->typed_data(), vec);
+  });
+  return launched(op);
+}
+
+ffi::Error Int8DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scales,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_int8_decode";
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (count(q) != nb * bucket) return invalid(op, "payload buffer has the wrong size");
+  if (count(scales) != nb) return invalid(op, "scale buffer has the wrong size");
+  if (n == 0) return ffi::Error::Success();
+  const int8_t* qd = q.typed_data();
+  const bool vec = aligned16(qd) && aligned16(out->untyped_data());
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    int8_decode_kernel<T><<<flat_blocks(n), kThreads, 0, stream>>>(
+        qd, scales.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket / 8), vec);
+  });
+  return launched(op);
+}
+
+// ---------------------------------------------------------------------------
+// 1-bit SGD
+// ---------------------------------------------------------------------------
+ffi::Error OnebitEncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
+                            ffi::ResultBuffer<ffi::F32> means, int64_t bucket) {
+  const char* op = "jaxcomp_onebit_encode";
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  std::string err =
+      check_bucketed(x, bucket, bits->element_count(), nb * bucket / 8, means->element_count(), 2 * nb);
+  if (!err.empty()) return invalid(op, err);
+  if (n == 0) return ffi::Error::Success();
+  const Geometry g = geometry(bucket);
+  // The bits are written one byte per thread, so only the input needs the
+  // alignment check.
+  const bool vec = aligned16(x.untyped_data());
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    onebit_encode_kernel<T><<<encode_blocks(nb, g), kThreads, 0, stream>>>(
+        static_cast<const T*>(x.untyped_data()), n, nb, g, bits->typed_data(), means->typed_data(), vec);
+  });
+  return launched(op);
+}
+
+ffi::Error OnebitDecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
+                            ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_onebit_decode";
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (count(bits) != nb * bucket / 8) return invalid(op, "payload buffer has the wrong size");
+  if (count(means) != 2 * nb) return invalid(op, "means buffer has the wrong size");
+  if (n == 0) return ffi::Error::Success();
+  const bool vec = aligned16(out->untyped_data());
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    onebit_decode_kernel<T><<<flat_blocks(n), kThreads, 0, stream>>>(
+        bits.typed_data(), means.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket / 8), vec);
+  });
+  return launched(op);
+}
+
+// ---------------------------------------------------------------------------
+// Float casts (the Cast codec's encode and decode)
+// ---------------------------------------------------------------------------
+ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  const char* op = "jaxcomp_cast";
+  if (!is_float(x.element_type())) return invalid(op, "input must be float32, bfloat16 or float16");
+  if (!is_float(y->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (count(x) != count(*y)) return invalid(op, "input and output sizes differ");
+  const int64_t n = x.element_count();
+  if (n == 0) return ffi::Error::Success();
+  const bool vec = aligned16(x.untyped_data()) && aligned16(y->untyped_data());
+  with_type(x.element_type(), [&](auto in_tag) {
+    with_type(y->element_type(), [&](auto out_tag) {
+      using In = decltype(in_tag);
+      using Out = decltype(out_tag);
+      cast_kernel<In, Out><<<flat_blocks(n), kThreads, 0, stream>>>(
+          static_cast<const In*>(x.untyped_data()), static_cast<Out*>(y->untyped_data()), n, vec);
+    });
+  });
+  return launched(op);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jaxcomp
+
+// The symbols carry "Cuda" so that they can never be confused with the CPU
+// module's handlers of the same targets; module.cc declares them.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdEncode, jaxcomp::cuda::QsgdEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Attr<int64_t>("bits")          // 2, 3, 4 or 8
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("l2"));          // 1: L2 norm, 0: max norm
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdDecode, jaxcomp::cuda::QsgdDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaInt8Encode, jaxcomp::cuda::Int8EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Ret<ffi::Buffer<ffi::S8>>()    // q in [-127, 127]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaInt8Decode, jaxcomp::cuda::Int8DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()    // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaOnebitEncode, jaxcomp::cuda::OnebitEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // sign bits, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaOnebitDecode, jaxcomp::cuda::OnebitDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // sign bits
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaCast, jaxcomp::cuda::CastImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x
+                                  .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even

@@ -1,0 +1,201 @@
+"""The CUDA kernels against their pure-JAX twins and the CPU kernels, byte for byte.
+
+For each codec, dtype and size, the payload is encoded three ways (CUDA
+kernel, jnp twin on the GPU, CPU kernel) and every payload array must be
+bit-identical; each is then decoded the same three ways and the outputs must be
+bit-identical too. The module skips where JAX sees no CUDA GPU or jaxcomp was
+built without its CUDA module (``JAXCOMP_CUDA=ON pip install .``).
+
+The inputs avoid float32 denormals: XLA's CPU runtime flushes them and its GPU
+code does not, so the CPU and GPU agree bit for bit only on normal numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomp
+from jaxcomp.codecs import QSGD, Cast, Codec, Int8, OneBit
+
+
+def _cuda_device() -> jax.Device | None:
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:  # no CUDA backend in this jaxlib, or no GPU
+        return None
+    return devices[0] if devices else None
+
+
+GPU = _cuda_device()
+if GPU is None:
+    pytest.skip("no CUDA GPU visible to JAX", allow_module_level=True)
+if not jaxcomp.cuda_available():
+    pytest.skip("jaxcomp was built without its CUDA module", allow_module_level=True)
+
+CPU = jax.devices("cpu")[0]
+
+pytestmark = pytest.mark.gpu
+
+# Bucket sizes cover one lane per bucket (8), several buckets per block
+# (16..1024), one per block (2048) and lanes that loop (4096).
+CODECS = [
+    QSGD(bits=2, bucket_size=128),
+    QSGD(bits=3, bucket_size=8, norm="l2"),
+    QSGD(bits=4, bucket_size=512),
+    QSGD(bits=4, bucket_size=64, norm="l2"),
+    QSGD(bits=8, bucket_size=2048, norm="l2"),
+    QSGD(bits=8, bucket_size=16),
+    QSGD(bits=2, bucket_size=4096, norm="l2"),
+    OneBit(),
+    OneBit(bucket_size=8),
+    OneBit(bucket_size=1024),
+    Int8(),
+    Int8(bucket_size=32),
+    Cast("bfloat16"),
+    Cast("float16"),
+]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+SIZES = [1, 7, 1000, 4099, 70001]
+
+
+def _codec_id(codec: Codec) -> str:
+    """Short ids for the command line: qsgd-b4-B512-max, onebit-B64, cast-float16."""
+    if isinstance(codec, QSGD):
+        return f"qsgd-b{codec.bits}-B{codec.bucket_size}-{codec.norm}"
+    if isinstance(codec, Cast):
+        return f"cast-{codec.dtype}"
+    return f"{codec.name}-B{codec.bucket_size}"
+
+
+def _dtype_id(dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def _input(n: int, dtype, seed: int = 0) -> np.ndarray:
+    """Normal values with an all-zero stretch (a zero-scale bucket where
+    buckets are small) and some negative zeros."""
+    rng = np.random.default_rng(seed * 1_000_003 + n)
+    x = 3.0 * rng.standard_normal(n, dtype=np.float32)
+    x[:40] = 0.0
+    x[5::97] = -0.0
+    return x.astype(dtype)
+
+
+@functools.cache
+def _encoder(codec: Codec, backend: str):
+    return jax.jit(lambda x, key: codec.encode(x, key, backend=backend))
+
+
+@functools.cache
+def _decoder(codec: Codec, backend: str):
+    return jax.jit(lambda payload: codec.decode(payload, backend=backend))
+
+
+def _assert_same(got, want, what: str) -> None:
+    """Same dtype, shape and bytes; on a difference, names the first element."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert (got.dtype, got.shape) == (want.dtype, want.shape), (
+        f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
+    )
+    g, w = got.reshape(-1), want.reshape(-1)
+    diff = g.view(np.uint8).reshape(g.size, -1) != w.view(np.uint8).reshape(w.size, -1)
+    if diff.any():
+        bad = np.flatnonzero(diff.any(axis=1))
+        i = int(bad[0])
+        pytest.fail(
+            f"{what}: {bad.size} of {g.size} elements differ; first at {i}: {g[i]!r} vs {w[i]!r}"
+        )
+
+
+def _on(device: jax.Device, *arrays):
+    return [jax.device_put(a, device) for a in arrays]
+
+
+def _check_codec(codec: Codec, dtype, n: int) -> None:
+    """Encodes and decodes on (GPU, ffi), (GPU, xla) and (CPU, ffi); all bytes equal."""
+    x = _input(n, dtype)
+    key = jax.random.key(n)
+    runs = {
+        "gpu-ffi": (GPU, "ffi"),
+        "gpu-xla": (GPU, "xla"),
+        "cpu-ffi": (CPU, "ffi"),
+    }
+    payloads = {
+        name: _encoder(codec, backend)(*_on(dev, x, key)) for name, (dev, backend) in runs.items()
+    }
+
+    ref = payloads["gpu-xla"]
+    for name in ("gpu-ffi", "cpu-ffi"):
+        assert payloads[name].arrays.keys() == ref.arrays.keys()
+        for k in ref.arrays:
+            _assert_same(payloads[name][k], ref[k], f"{name} encode, payload[{k!r}]")
+    for k, a in payloads["gpu-ffi"].arrays.items():
+        assert a.devices() == {GPU}, f"payload[{k!r}] left the GPU"
+
+    # Each decoder reads the payload made on its own device (all equal by now).
+    outs = {
+        name: _decoder(codec, backend)(jax.device_put(payloads[name], dev))
+        for name, (dev, backend) in runs.items()
+    }
+    for name in ("gpu-ffi", "cpu-ffi"):
+        _assert_same(outs[name], outs["gpu-xla"], f"{name} decode")
+    assert outs["gpu-ffi"].shape == x.shape
+    assert outs["gpu-ffi"].dtype == jnp.dtype(dtype)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("codec", CODECS, ids=_codec_id)
+def test_kernels_match_twin_and_cpu(codec, dtype, n):
+    _check_codec(codec, dtype, n)
+
+
+# The largest bucket: one bucket per block, each lane reducing 256 values
+# before the shared-memory levels.
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize(
+    "codec",
+    [
+        QSGD(bits=4, bucket_size=65536, norm="l2"),
+        QSGD(bits=8, bucket_size=65536),
+        OneBit(bucket_size=65536),
+        Int8(bucket_size=65536),
+    ],
+    ids=_codec_id,
+)
+def test_largest_bucket(codec, dtype):
+    _check_codec(codec, dtype, 3 * 65536 + 4099)
+
+
+# More groups of 8 than the decode and cast grids have threads (8192 blocks of
+# 256), so their grid-stride loops go round more than once.
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", [QSGD(), OneBit(), Int8(), Cast("bfloat16")], ids=_codec_id)
+def test_grid_stride(codec):
+    _check_codec(codec, jnp.float32, (1 << 24) + 8 * 1000 + 3)
+
+
+@pytest.mark.parametrize("codec", [QSGD(), OneBit(), Int8(), Cast("float16")], ids=_codec_id)
+def test_empty_input(codec):
+    x, key = _on(GPU, np.zeros((0,), np.float32), jax.random.key(0))
+    payload = _encoder(codec, "ffi")(x, key)
+    for k, a in payload.arrays.items():
+        assert a.size == 0, k
+    out = _decoder(codec, "ffi")(payload)
+    assert out.shape == (0,) and out.dtype == jnp.float32
+
+
+def test_ffi_backend_runs_the_cuda_kernels():
+    """backend="ffi" on the GPU compiles to the custom calls, not to the twins."""
+    codec = QSGD(bits=4, bucket_size=512)
+    x, key = _on(GPU, _input(4099, np.float32), jax.random.key(0))
+    hlo = _encoder(codec, "ffi").lower(x, key).compile().as_text()
+    assert 'custom_call_target="jaxcomp_qsgd_encode"' in hlo
+    payload = _encoder(codec, "ffi")(x, key)
+    hlo = _decoder(codec, "ffi").lower(payload).compile().as_text()
+    assert 'custom_call_target="jaxcomp_qsgd_decode"' in hlo
