@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(kThreads)
     __shared__ float sm[kThreads];
     const float part = lane_tree_sum<float>(g.lane_levels, [&](uint32_t j) {
       const float v = load1(x, t.start + t.lane + static_cast<int64_t>(j) * g.lanes, n);
-      return v * v;
+      return exact_square(v);
     });
     scale = sqrtf(segment_tree(sm, part, t.lane, g.lanes, Plus{}));
   } else {

@@ -57,4 +57,6 @@ class Cast(Codec):
     @classmethod
     def from_wire_params(cls, params: tuple[int, ...]) -> Any:
         (target,) = params
+        if not 0 <= target < len(_TARGETS):
+            raise ValueError(f"Cast: dtype code must be 0 (bfloat16) or 1 (float16), got {target}")
         return cls(_TARGETS[target])

@@ -93,4 +93,6 @@ class QSGD(Codec):
     @classmethod
     def from_wire_params(cls, params: tuple[int, ...]) -> Any:
         bits, bucket_size, norm = params
+        if not 0 <= norm < len(_NORMS):
+            raise ValueError(f"QSGD: norm code must be 0 (max) or 1 (l2), got {norm}")
         return cls(bits=bits, bucket_size=bucket_size, norm=_NORMS[norm])

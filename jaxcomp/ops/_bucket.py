@@ -40,6 +40,16 @@ def tree_sum(a: jax.Array) -> jax.Array:
     return a[:, 0]
 
 
+def exact_square(x: jax.Array) -> jax.Array:
+    """codecs.h: exact_square. v = h + l with h = v's top 12 significant bits;
+    h*h, h*l and l*l are exact, so XLA's FMA contraction cannot change it."""
+    h = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32
+    )
+    lo = x - h
+    return (h * h + (h * lo) * np.float32(2)) + lo * lo
+
+
 def safe_recip(scale: jax.Array, numerator: float) -> jax.Array:
     """numerator / scale where scale > 0, else 0 (codecs.h: qsgd_inv, int8_inv)."""
     positive = scale > 0

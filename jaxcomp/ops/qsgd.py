@@ -6,7 +6,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops._dispatch import dispatch, ffi_call
@@ -26,10 +25,7 @@ def encode_ref(x: jax.Array, seed: jax.Array, *, bits: int, bucket: int, l2: boo
     s = (1 << (bits - 1)) - 1
     xb = bk.to_buckets(x, bucket)
     if l2:
-        # XLA contracts a multiply feeding an add into an FMA (CPU and GPU);
-        # the barrier keeps the squares rounded, as in the kernels.
-        squares = lax.optimization_barrier(xb * xb)
-        scale = jnp.sqrt(bk.tree_sum(squares))
+        scale = jnp.sqrt(bk.tree_sum(bk.exact_square(xb)))
     else:
         scale = bk.max_abs(xb)
     inv = bk.safe_recip(scale, s)
