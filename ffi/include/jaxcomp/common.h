@@ -83,52 +83,59 @@ struct f16_t {
   uint16_t bits;
 };
 
+// Written without branches (every case computed, then selected) so that the
+// CPU loops vectorize them.
 JC_HD float to_f32(float v) { return v; }
 JC_HD float to_f32(bf16_t v) { return bits_f32(static_cast<uint32_t>(v.bits) << 16); }
 JC_HD float to_f32(f16_t v) {
   const uint32_t h = v.bits;
   const uint32_t sign = (h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1fu;
-  uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1fu) return bits_f32(sign | 0x7f800000u | (mant << 13));
-  if (exp != 0) return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-  if (mant == 0) return bits_f32(sign);
-  // Subnormal half: normalize (the result is a normal float32).
-  uint32_t e = 113u;
-  while ((mant & 0x400u) == 0) {
-    mant <<= 1;
-    --e;
-  }
-  return bits_f32(sign | (e << 23) | ((mant & 0x3ffu) << 13));
+  const uint32_t mant = h & 0x3ffu;
+  // Normal and inf/NaN: rebias the exponent (inf/NaN keep the max exponent;
+  // a NaN comes out quiet, as XLA converts it).
+  const uint32_t quiet = (exp == 0x1fu && mant != 0) ? 0x400000u : 0u;
+  const uint32_t wide = sign | ((exp == 0x1fu ? 0xffu : exp + 112u) << 23) | (mant << 13) | quiet;
+  // Subnormal (and zero): mant * 2^-24 is exact and a normal float32.
+  const uint32_t sub = sign | f32_bits(static_cast<float>(static_cast<int32_t>(mant)) * 5.9604644775390625e-08f);
+  return bits_f32(exp == 0 ? sub : wide);
 }
 
 JC_HD uint16_t f32_to_bf16_bits(float f) {
   const uint32_t u = f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7fc0u);
-  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(rounded >> 16);
+  const uint32_t nan = ((u >> 16) & 0x8000u) | 0x7fc0u;
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
+
+JC_HD uint32_t mask_if(bool c) { return 0u - static_cast<uint32_t>(c); }
+JC_HD uint32_t select_bits(bool c, uint32_t a, uint32_t b) { return (a & mask_if(c)) | (b & ~mask_if(c)); }
 
 JC_HD uint16_t f32_to_f16_bits(float f) {
   const uint32_t u = f32_bits(f);
   const uint32_t sign = (u >> 16) & 0x8000u;
   const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
-  if (a >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // rounds to >= 65520: inf
-  if (a >= 0x38800000u) {                                              // normal half
-    const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
-    return static_cast<uint16_t>(sign | ((r - 0x38000000u) >> 13));
-  }
-  if (a < 0x33000000u) return static_cast<uint16_t>(sign);  // below half of the smallest subnormal
-  // Subnormal half: shift the full significand, round to nearest even.
-  const uint32_t e = a >> 23;
+  const uint32_t nan = 0x7e00u | ((a >> 13) & 0x3ffu);
+  // Normal half: round the low 13 bits to nearest even, rebias by 112.
+  const uint32_t normal = (a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13;
+  // Subnormal half: shift the full significand by 126 - e in [14, 24] (the
+  // clamp only keeps the shift defined in lanes where it is not selected).
+  const int32_t e = static_cast<int32_t>(a >> 23);
+  const int32_t sh = 126 - e;
+  const uint32_t shift = static_cast<uint32_t>(sh < 14 ? 14 : (sh > 24 ? 24 : sh));
   const uint32_t m = (a & 0x7fffffu) | 0x800000u;
-  const uint32_t shift = 126u - e;  // in [14, 24]
   const uint32_t q = m >> shift;
   const uint32_t rem = m & ((1u << shift) - 1u);
   const uint32_t half = 1u << (shift - 1u);
-  const uint32_t up = (rem > half || (rem == half && (q & 1u))) ? 1u : 0u;
-  return static_cast<uint16_t>(sign | (q + up));
+  const uint32_t up = static_cast<uint32_t>(rem > half) | (static_cast<uint32_t>(rem == half) & q);
+  const uint32_t sub = q + (up & 1u);
+  // Selects through masks: GCC turns a chain of ternaries on one value into
+  // range-check branches, which do not vectorize.
+  uint32_t r = sub & mask_if(a >= 0x33000000u);  // below half the smallest subnormal: 0
+  r = select_bits(a >= 0x38800000u, normal, r);
+  r = select_bits(a >= 0x477ff000u, 0x7c00u, r);  // rounds to >= 65520: inf
+  r = select_bits(a > 0x7f800000u, nan, r);
+  return static_cast<uint16_t>(sign | r);
 }
 
 template <typename T>
