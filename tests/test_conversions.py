@@ -18,8 +18,26 @@ def _f32_patterns() -> np.ndarray:
     random = rng.integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
     # Every exponent with mantissas at and around the f16/bf16 rounding points.
     exps = np.arange(256, dtype=np.uint32) << 23
-    mants = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x2000, 0x3000, 0x7FFF, 0x8000, 0x8001,
-                      0x10000, 0x18000, 0x7FE000, 0x7FF000, 0x7FFFFF], np.uint32)
+    mants = np.array(
+        [
+            0,
+            1,
+            0xFFF,
+            0x1000,
+            0x1001,
+            0x2000,
+            0x3000,
+            0x7FFF,
+            0x8000,
+            0x8001,
+            0x10000,
+            0x18000,
+            0x7FE000,
+            0x7FF000,
+            0x7FFFFF,
+        ],
+        np.uint32,
+    )
     edges = (exps[:, None] | mants[None, :]).reshape(-1)
     edges = np.concatenate([edges, edges | np.uint32(0x80000000)])
     return np.concatenate([random, edges])

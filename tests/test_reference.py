@@ -27,7 +27,7 @@ def np_mix32(x):
 def np_uniform(k0, k1, index):
     a = np_mix32(np.array([k0], np.uint64))[0]
     b = np_mix32(np.array([k1], np.uint64) ^ a)[0]
-    h = np_mix32((np_mix32((index.astype(np.uint64) + a) & M32)) ^ b)
+    h = np_mix32(((index.astype(np.uint64) + a) & M32) ^ b)
     return (h >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
 
 

@@ -27,7 +27,7 @@ def rng_bits(seed: jax.Array, index: jax.Array) -> jax.Array:
     """
     a = mix32(seed[0])
     b = mix32(seed[1] ^ a)
-    return mix32(mix32(index + a) ^ b)
+    return mix32((index + a) ^ b)
 
 
 def rng_uniform(seed: jax.Array, index: jax.Array) -> jax.Array:
