@@ -76,12 +76,17 @@ def _loop_seconds(step, carry, single: float, reps: int, min_time: float) -> flo
 
     Inside one XLA computation the loop's buffers are planned once and reused,
     as they are inside a training step; a standalone call instead pays for a
-    freshly allocated (page-faulting) output every time. Enough iterations
-    run to amortize the loop's own setup (one copy of the carry).
+    freshly allocated (page-faulting) output every time. The loop itself costs
+    a copy of its carry in and a fresh carry out per call, so two loop lengths
+    are timed and the difference divided by the extra iterations.
     """
-    iters = max(4, min(200, int(0.05 / max(single, 1e-6))))
-    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iters, step, c))
-    return _median_seconds(lambda: loop(carry), reps, min_time) / iters
+    extra = max(4, min(64, int(0.2 / max(single, 1e-6))))
+    short = jax.jit(lambda c: jax.lax.fori_loop(0, 2, step, c))
+    long = jax.jit(lambda c: jax.lax.fori_loop(0, 2 + extra, step, c))
+    t_short = _median_seconds(lambda: short(carry), reps, min_time)
+    t_long = _median_seconds(lambda: long(carry), reps, min_time)
+    per = (t_long - t_short) / extra
+    return per if per > 0 else t_long / (2 + extra)  # noise: fall back to the plain average
 
 
 def _touch(payload: Payload, acc: jax.Array) -> Payload:
