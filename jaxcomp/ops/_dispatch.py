@@ -25,7 +25,25 @@ def ffi_call(
 ) -> tuple[jax.Array, ...]:
     """Calls an FFI target; integer attributes are passed as exact int64."""
     call = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")
-    return tuple(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+    outs = tuple(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
+    # Inside shard_map, an ffi_call's outputs are typed device-invariant even
+    # though they depend on per-device inputs; mark them varying over the
+    # inputs' axes, as the twin's outputs are (and as they really are).
+    axes = _varying_axes(args)
+    if axes:
+        outs = tuple(lax.pcast(o, axes, to="varying") for o in outs)
+    return outs
+
+
+def _varying_axes(args) -> tuple[str, ...]:
+    """Mesh axes over which any of ``args`` varies (empty outside shard_map)."""
+    axes: set[str] = set()
+    for a in args:
+        aval = jax.typeof(a)
+        mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.11
+        varying = mat.varying if mat is not None else getattr(aval, "vma", None)
+        axes |= set(varying or ())
+    return tuple(sorted(axes))
 
 
 def dispatch(
