@@ -1,7 +1,8 @@
 """jaxcomp: compressed gradient communication for data-parallel JAX training."""
 
-from jaxcomp import codecs, ops, wire
+from jaxcomp import codecs, collectives, ops, wire
 from jaxcomp._ffi import cpu_available, cuda_available
+from jaxcomp.collectives import Reduced, pmean, psum
 from jaxcomp.errors import WireFormatError
 from jaxcomp.payload import Payload
 
@@ -9,10 +10,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Payload",
+    "Reduced",
     "WireFormatError",
     "codecs",
+    "collectives",
     "cpu_available",
     "cuda_available",
     "ops",
+    "pmean",
+    "psum",
     "wire",
 ]

@@ -17,6 +17,14 @@ def test_usage_example_runs():
             assert scope["payload"].nbytes == 508_040
 
 
+def test_collectives_doc_example_runs():
+    doc = README.parent / "docs" / "collectives.md"
+    block = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(block, str(doc), "exec"), scope)
+    assert scope["mean"].shape == (4096,) and scope["sent"].shape == (8, 4096)
+
+
 def test_ci_runs_the_readme_test_command():
     text = README.read_text()
     commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)

@@ -1,0 +1,27 @@
+"""Compressed all-reduce over a named mesh axis, for use inside
+``jax.shard_map`` (or ``jax.pmap``).
+
+Every algorithm is built from ordinary JAX collectives (``all_gather``,
+``all_to_all``, ``ppermute``) over encoded payloads, so XLA schedules the
+communication and the bytes on the wire can be read from the compiled HLO.
+Kernels only ever see this device's data.
+
+``psum`` returns :class:`Reduced`: ``value`` is the (approximate) sum,
+identical on every device of the axis, and ``sent`` is what this device's
+input became after compression, in float32: summed over the devices, the
+``sent`` of every device equals ``value`` up to float rounding, which is what
+lets error feedback (``residual = x - sent``) lose nothing.
+"""
+
+from __future__ import annotations
+
+from jaxcomp.collectives._core import (
+    ALGORITHMS,
+    Reduced,
+    choose_algorithm,
+    operand_nbytes,
+    pmean,
+    psum,
+)
+
+__all__ = ["ALGORITHMS", "Reduced", "choose_algorithm", "operand_nbytes", "pmean", "psum"]
