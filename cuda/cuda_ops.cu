@@ -265,6 +265,101 @@ ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   return launched(op);
 }
 
+// ---------------------------------------------------------------------------
+// TernGrad: the scales, then the base-3^5 bytes (two launches on one stream)
+// ---------------------------------------------------------------------------
+// Blocks for a grid-stride loop over `count` items, one per thread.
+unsigned item_blocks(int64_t count) {
+  constexpr int64_t kMaxBlocks = 8192;
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+ffi::Error TerngradEncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                              ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales,
+                              int64_t bucket) {
+  const char* op = "jaxcomp_terngrad_encode";
+  if (count(seed) != 2) return invalid(op, "seed must have 2 uint32 words");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  const int64_t m = (n + 4) / 5;
+  std::string err = check_bucketed(x, bucket, trits->element_count(), m, scales->element_count(), nb);
+  if (!err.empty()) return invalid(op, err);
+  if (n == 0) return ffi::Error::Success();
+  const Geometry g = geometry(bucket);
+  float* s = scales->typed_data();
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xd = static_cast<const T*>(x.untyped_data());
+    terngrad_scales_kernel<T><<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, s);
+    terngrad_pack_kernel<T><<<item_blocks(m), kThreads, 0, stream>>>(xd, n, m, log2_int(bucket), s,
+                                                                     seed.typed_data(), trits->typed_data());
+  });
+  return launched(op);
+}
+
+ffi::Error TerngradDecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
+                              ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_terngrad_decode";
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  const int64_t m = (n + 4) / 5;
+  if (count(trits) != m) return invalid(op, "payload buffer has the wrong size");
+  if (count(scales) != nb) return invalid(op, "scale buffer has the wrong size");
+  if (n == 0) return ffi::Error::Success();
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    terngrad_decode_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(
+        trits.typed_data(), scales.typed_data(), static_cast<T*>(out->untyped_data()), n, m, log2_int(bucket));
+  });
+  return launched(op);
+}
+
+// ---------------------------------------------------------------------------
+// Natural compression
+// ---------------------------------------------------------------------------
+ffi::Error NaturalEncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                             ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
+                             int64_t stochastic) {
+  const char* op = "jaxcomp_natural_encode";
+  if (count(seed) != 2) return invalid(op, "seed must have 2 uint32 words");
+  if (stochastic != 0 && stochastic != 1) return invalid(op, "stochastic must be 0 or 1");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  std::string err = check_bucketed(x, bucket, codes->element_count(), n, tops->element_count(), nb);
+  if (!err.empty()) return invalid(op, err);
+  if (n == 0) return ffi::Error::Success();
+  const Geometry g = geometry(bucket);
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = stochastic != 0 ? natural_encode_kernel<T, true> : natural_encode_kernel<T, false>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(static_cast<const T*>(x.untyped_data()), n, nb, g,
+                                                          seed.typed_data(), codes->typed_data(),
+                                                          tops->typed_data());
+  });
+  return launched(op);
+}
+
+ffi::Error NaturalDecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_natural_decode";
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (count(codes) != n) return invalid(op, "payload buffer has the wrong size");
+  if (count(tops) != nb) return invalid(op, "tops buffer has the wrong size");
+  if (n == 0) return ffi::Error::Success();
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    natural_decode_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(
+        codes.typed_data(), tops.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket));
+  });
+  return launched(op);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
@@ -328,3 +423,38 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaCast, jaxcomp::cuda::CastImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTerngradEncode, jaxcomp::cuda::TerngradEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes, ceil(n/5)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Attr<int64_t>("bucket_size"));  // power of two
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTerngradDecode, jaxcomp::cuda::TerngradDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalEncode, jaxcomp::cuda::NaturalEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalDecode, jaxcomp::cuda::NaturalDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));

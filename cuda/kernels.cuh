@@ -19,8 +19,10 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "jaxcomp/codecs.h"
+#include "jaxcomp/ternary.h"
 
 namespace jaxcomp {
 namespace cuda {
@@ -411,6 +413,96 @@ __global__ void __launch_bounds__(kThreads)
     float v[8];
     load8(x, 8 * gi, n, vec, v);
     store8(y, 8 * gi, n, vec, v);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// TernGrad (cpu_kernels.inc: terngrad_scales / terngrad_pack / terngrad_decode)
+// ---------------------------------------------------------------------------
+// Phase 1, one segment per bucket: the scale (an integer max, any order).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    terngrad_scales_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
+                           float* __restrict__ scales) {
+  const Slot t = slot(g);
+  const float scale = bucket_max_abs(x, n, t.start, g, t.lane);
+  if (t.bucket >= num_buckets) return;
+  if (t.lane == 0) scales[t.bucket] = scale;
+}
+
+// Phase 2, a grid-stride loop over the m bytes: byte i reads element j*m + i
+// of each plane j (coalesced per plane) and the scale of its bucket, which
+// phase 1 wrote earlier on the same stream.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    terngrad_pack_kernel(const T* __restrict__ x, int64_t n, int64_t m, int bucket_shift,
+                         const float* __restrict__ scales, const uint32_t* __restrict__ seed,
+                         uint8_t* __restrict__ trits) {
+  const uint32_t k0 = seed[0], k1 = seed[1];
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    uint32_t d[5];
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+      const int64_t e = j * m + i;
+      d[j] = 1u;  // the padding past n is the trit 0
+      if (e < n) {
+        const float inv = terngrad_inv(scales[e >> bucket_shift]);
+        d[j] = terngrad_digit(to_f32(x[e]), inv, rng_uniform(k0, k1, static_cast<uint32_t>(e)));
+      }
+    }
+    trits[i] = base3_pack(d[0], d[1], d[2], d[3], d[4]);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    terngrad_decode_kernel(const uint8_t* __restrict__ trits, const float* __restrict__ scales, T* __restrict__ out,
+                           int64_t n, int64_t m, int bucket_shift) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const int plane = static_cast<int>(e / m);
+    const uint32_t digit = base3_digit(trits[e - plane * m], plane);
+    out[e] = from_f32<T>(terngrad_value(digit, scales[e >> bucket_shift]));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Natural compression (cpu_kernels.inc: natural_encode_t / natural_decode_t)
+// ---------------------------------------------------------------------------
+template <typename T, bool STOCHASTIC>
+__global__ void __launch_bounds__(kThreads)
+    natural_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
+                          const uint32_t* __restrict__ seed, uint8_t* __restrict__ codes,
+                          uint8_t* __restrict__ tops) {
+  __shared__ uint32_t sm[kThreads];
+  const Slot t = slot(g);
+  uint32_t m = 0;
+  for (int e = t.lane; e < g.bucket; e += g.lanes) {
+    const uint32_t a = natural_finite_abs(load1(x, t.start + e, n));
+    m = a > m ? a : m;
+  }
+  m = segment_tree(sm, m, t.lane, g.lanes, Max{});
+  if (t.bucket >= num_buckets) return;  // no __syncthreads() after this point
+  const uint32_t top = (m >> 23) + 1u;
+  if (t.lane == 0) tops[t.bucket] = static_cast<uint8_t>(top);
+  const uint32_t cap = sizeof(T) == 2 && !std::is_same<T, bf16_t>::value ? 142u : 254u;
+  const uint32_t k0 = seed[0], k1 = seed[1];
+  for (int e = t.lane; e < g.bucket; e += g.lanes) {
+    const int64_t i = t.start + e;
+    if (i >= n) break;
+    const uint32_t rb = STOCHASTIC ? rng_bits(k0, k1, static_cast<uint32_t>(i)) : 0u;
+    codes[i] = static_cast<uint8_t>(natural_code(to_f32(x[i]), top, cap, STOCHASTIC, rb));
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    natural_decode_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ tops, T* __restrict__ out,
+                          int64_t n, int bucket_shift) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    out[e] = from_f32<T>(natural_value(codes[e], tops[e >> bucket_shift]));
   }
 }
 

@@ -15,6 +15,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaInt8Decode);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaOnebitEncode);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaOnebitDecode);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaCast);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaTerngradEncode);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaTerngradDecode);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaNaturalEncode);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcompCudaNaturalDecode);
 
 namespace {
 template <typename T>
@@ -33,6 +37,10 @@ NB_MODULE(_jaxcomp_cuda, m) {
     d["jaxcomp_onebit_encode"] = capsule(JaxcompCudaOnebitEncode);
     d["jaxcomp_onebit_decode"] = capsule(JaxcompCudaOnebitDecode);
     d["jaxcomp_cast"] = capsule(JaxcompCudaCast);
+    d["jaxcomp_terngrad_encode"] = capsule(JaxcompCudaTerngradEncode);
+    d["jaxcomp_terngrad_decode"] = capsule(JaxcompCudaTerngradDecode);
+    d["jaxcomp_natural_encode"] = capsule(JaxcompCudaNaturalEncode);
+    d["jaxcomp_natural_decode"] = capsule(JaxcompCudaNaturalDecode);
     return d;
   });
 }

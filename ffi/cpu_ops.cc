@@ -301,6 +301,100 @@ ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------
+// TernGrad: scales per bucket first, then the base-3^5 bytes (each byte
+// reads one element of each of the five planes, from different buckets).
+// ---------------------------------------------------------------------------
+ffi::Error TerngradEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                              ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales,
+                              int64_t bucket) {
+  const char* op = "jaxcomp_terngrad_encode";
+  if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  const int64_t m = (n + 4) / 5;
+  DType dt;
+  std::string err = check_bucketed(x, bucket, trits->element_count(), m, scales->element_count(), nb, &dt);
+  if (!err.empty()) return invalid(op, err);
+  const uint32_t k0 = seed.typed_data()[0], k1 = seed.typed_data()[1];
+  uint8_t* t = trits->typed_data();
+  float* s = scales->typed_data();
+  const void* xd = x.untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().terngrad_scales(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, s);
+  });
+  parallel_for(pool, m, kElementsPerTask / 5, [&](int64_t i0, int64_t i1) {
+    kernels().terngrad_pack(dt, xd, n, static_cast<int>(bucket), s, k0, k1, i0, i1, t);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error TerngradDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
+                              ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_terngrad_decode";
+  DType dt;
+  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (trits.element_count() != (n + 4) / 5) return invalid(op, "payload buffer has the wrong size");
+  if (scales.element_count() != nb) return invalid(op, "scale buffer has the wrong size");
+  const uint8_t* t = trits.typed_data();
+  const float* s = scales.typed_data();
+  void* o = out->untyped_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+  parallel_for(pool, n, kElementsPerTask, [&](int64_t e0, int64_t e1) {
+    kernels().terngrad_decode(dt, o, n, static_cast<int>(bucket), t, s, e0, e1);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------
+// Natural compression
+// ---------------------------------------------------------------------------
+ffi::Error NaturalEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                             ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
+                             int64_t stochastic) {
+  const char* op = "jaxcomp_natural_encode";
+  if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
+  if (stochastic != 0 && stochastic != 1) return invalid(op, "stochastic must be 0 or 1");
+  const int64_t n = x.element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  DType dt;
+  std::string err = check_bucketed(x, bucket, codes->element_count(), n, tops->element_count(), nb, &dt);
+  if (!err.empty()) return invalid(op, err);
+  const uint32_t k0 = seed.typed_data()[0], k1 = seed.typed_data()[1];
+  uint8_t* c = codes->typed_data();
+  uint8_t* tp = tops->typed_data();
+  hint_huge_pages(c, codes->element_count());
+  const void* xd = x.untyped_data();
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().natural_encode(EncodeArgs{dt, xd, n, b0, b1, static_cast<int>(bucket)}, stochastic != 0, k0, k1, c,
+                             tp);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error NaturalDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
+                             ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+  const char* op = "jaxcomp_natural_decode";
+  DType dt;
+  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
+  const int64_t n = out->element_count();
+  const int64_t nb = num_buckets(n, bucket);
+  if (codes.element_count() != n) return invalid(op, "payload buffer has the wrong size");
+  if (tops.element_count() != nb) return invalid(op, "tops buffer has the wrong size");
+  const uint8_t* c = codes.typed_data();
+  const uint8_t* tp = tops.typed_data();
+  void* o = out->untyped_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    kernels().natural_decode(DecodeArgs{dt, o, n, b0, b1, static_cast<int>(bucket)}, c, tp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxcomp
 
@@ -362,6 +456,41 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCast, jaxcomp::CastImpl,
                                   .Arg<ffi::AnyBuffer>()          // x
                                   .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradEncode, jaxcomp::TerngradEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes, ceil(n/5)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Attr<int64_t>("bucket_size"));  // power of two
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradDecode, jaxcomp::TerngradDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
+                                  .Attr<int64_t>("bucket_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalEncode, jaxcomp::NaturalEncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalDecode, jaxcomp::NaturalDecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Attr<int64_t>("bucket_size"));
+
 namespace {
 template <typename T>
 nb::capsule capsule(T* fn) {
@@ -379,6 +508,10 @@ NB_MODULE(_jaxcomp_cpu, m) {
     d["jaxcomp_onebit_encode"] = capsule(JaxcompOnebitEncode);
     d["jaxcomp_onebit_decode"] = capsule(JaxcompOnebitDecode);
     d["jaxcomp_cast"] = capsule(JaxcompCast);
+    d["jaxcomp_terngrad_encode"] = capsule(JaxcompTerngradEncode);
+    d["jaxcomp_terngrad_decode"] = capsule(JaxcompTerngradDecode);
+    d["jaxcomp_natural_encode"] = capsule(JaxcompNaturalEncode);
+    d["jaxcomp_natural_decode"] = capsule(JaxcompNaturalDecode);
     return d;
   });
   m.def("isa", []() { return std::string(jaxcomp::pick_isa()); }, "Instruction set the CPU kernels use.");

@@ -35,6 +35,19 @@ struct KernelTable {
   void (*onebit_encode)(const EncodeArgs&, uint8_t* bits, float* means);
   void (*onebit_decode)(const DecodeArgs&, const uint8_t* bits, const float* means);
   void (*cast)(DType from, DType to, const void* in, void* out, int64_t i0, int64_t i1);
+  // TernGrad: per-bucket max|v| over buckets [b0, b1); then bytes [i0, i1) of
+  // the base-3^5 stream (each byte reads elements of five planes, so this pass
+  // runs over bytes, after all scales are known); decode elements [e0, e1).
+  void (*terngrad_scales)(const EncodeArgs&, float* scales);
+  void (*terngrad_pack)(DType dtype, const void* x, int64_t n, int bucket, const float* scales, uint32_t k0,
+                        uint32_t k1, int64_t i0, int64_t i1, uint8_t* trits);
+  void (*terngrad_decode)(DType dtype, void* out, int64_t n, int bucket, const uint8_t* trits,
+                          const float* scales, int64_t e0, int64_t e1);
+  // Natural compression over buckets [b0, b1): one code byte per element
+  // (codes has n entries, no padding) and the bucket's top exponent.
+  void (*natural_encode)(const EncodeArgs&, bool stochastic, uint32_t k0, uint32_t k1, uint8_t* codes,
+                         uint8_t* tops);
+  void (*natural_decode)(const DecodeArgs&, const uint8_t* codes, const uint8_t* tops);
 };
 
 namespace isa_base {

@@ -35,6 +35,9 @@ def default_codecs() -> list[Codec]:
         c.QSGD(bits=4, bucket_size=512, norm="l2"),
         c.OneBit(bucket_size=64),
         c.Int8(bucket_size=512),
+        c.TernGrad(bucket_size=512),
+        c.Natural(bucket_size=512),
+        c.Natural(stochastic=False, bucket_size=512),
         c.Cast("bfloat16"),
         c.Cast("float16"),
     ]

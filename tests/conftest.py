@@ -37,6 +37,12 @@ CONTRACT_CODECS = [
     jc.codecs.QSGD(bits=4, bucket_size=16, norm="l2"),
     jc.codecs.QSGD(bits=8, norm="l2"),
     jc.codecs.QSGD(bits=8, bucket_size=8),
+    jc.codecs.TernGrad(),
+    jc.codecs.TernGrad(bucket_size=16),
+    jc.codecs.Natural(),
+    jc.codecs.Natural(bucket_size=8),
+    jc.codecs.Natural(stochastic=False),
+    jc.codecs.Natural(stochastic=False, bucket_size=16),
 ]
 
 FLOAT_DTYPES = ["float32", "bfloat16", "float16"]

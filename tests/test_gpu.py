@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.codecs import QSGD, Cast, Codec, Int8, OneBit
+from jaxcomp.codecs import QSGD, Cast, Codec, Int8, Natural, OneBit, TernGrad
 
 
 def _cuda_device() -> jax.Device | None:
@@ -58,6 +58,13 @@ CODECS = [
     Int8(bucket_size=32),
     Cast("bfloat16"),
     Cast("float16"),
+    TernGrad(),
+    TernGrad(bucket_size=8),
+    TernGrad(bucket_size=4096),
+    Natural(),
+    Natural(bucket_size=8),
+    Natural(stochastic=False, bucket_size=16),
+    Natural(stochastic=False, bucket_size=4096),
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SIZES = [1, 7, 1000, 4099, 70001]
@@ -69,6 +76,9 @@ def _codec_id(codec: Codec) -> str:
         return f"qsgd-b{codec.bits}-B{codec.bucket_size}-{codec.norm}"
     if isinstance(codec, Cast):
         return f"cast-{codec.dtype}"
+    if isinstance(codec, Natural):
+        mode = "stoch" if codec.stochastic else "nearest"
+        return f"natural-{mode}-B{codec.bucket_size}"
     return f"{codec.name}-B{codec.bucket_size}"
 
 
@@ -165,6 +175,8 @@ def test_kernels_match_twin_and_cpu(codec, dtype, n):
         QSGD(bits=8, bucket_size=65536),
         OneBit(bucket_size=65536),
         Int8(bucket_size=65536),
+        TernGrad(bucket_size=65536),
+        Natural(bucket_size=65536),
     ],
     ids=_codec_id,
 )
@@ -175,12 +187,18 @@ def test_largest_bucket(codec, dtype):
 # More groups of 8 than the decode and cast grids have threads (8192 blocks of
 # 256), so their grid-stride loops go round more than once.
 @pytest.mark.slow
-@pytest.mark.parametrize("codec", [QSGD(), OneBit(), Int8(), Cast("bfloat16")], ids=_codec_id)
+@pytest.mark.parametrize(
+    "codec", [QSGD(), OneBit(), Int8(), Cast("bfloat16"), TernGrad(), Natural()], ids=_codec_id
+)
 def test_grid_stride(codec):
     _check_codec(codec, jnp.float32, (1 << 24) + 8 * 1000 + 3)
 
 
-@pytest.mark.parametrize("codec", [QSGD(), OneBit(), Int8(), Cast("float16")], ids=_codec_id)
+@pytest.mark.parametrize(
+    "codec",
+    [QSGD(), OneBit(), Int8(), Cast("float16"), TernGrad(), Natural(stochastic=False)],
+    ids=_codec_id,
+)
 def test_empty_input(codec):
     x, key = _on(GPU, np.zeros((0,), np.float32), jax.random.key(0))
     payload = _encoder(codec, "ffi")(x, key)

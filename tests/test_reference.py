@@ -163,3 +163,158 @@ def test_cast_is_round_to_nearest_even(target):
     np.testing.assert_array_equal(
         np.asarray(decode(p)), x.astype(jnp.dtype(target)).astype(np.float32)
     )
+
+
+def np_base3_pack(t):
+    """The 3LC paper's base-3^5 encoding (section 3.2, steps 1-5), plainly."""
+    d = (t + 1).astype(np.uint8)  # (1), (2): shift to {0, 1, 2}, uint8
+    d = d.reshape(-1)  # (3) flatten
+    d = np.concatenate([d, np.ones(-d.size % 5, np.uint8)])  # (4) pad with zeros (digit 1)
+    p = d.reshape(5, -1).astype(np.int64)  # (5) five equal planes P0..P4
+    out = p[0] * 81 + p[1] * 27 + p[2] * 9 + p[3] * 3 + p[4]
+    assert out.max(initial=0) <= 242
+    return out.astype(np.uint8)
+
+
+@pytest.mark.parametrize("bucket", [8, 64, 512])
+@pytest.mark.parametrize("n", [1, 5, 37, 1000, 4097])
+def test_terngrad_matches_the_paper(bucket, n):
+    """Wen et al. 2017: t = sign(v) * b, b ~ Bernoulli(|v| / max|v|) per
+    bucket; decode t * max|v|. Trits packed as 3LC section 3.2."""
+    codec = jc.codecs.TernGrad(bucket_size=bucket)
+    x = plain_inputs(n, seed=n + bucket)
+    key = jax.random.key(5)
+    k0, k1 = (int(w) for w in jax.random.key_data(key))
+    xb = buckets(x, bucket)
+    scale = np.max(np.abs(xb), axis=1)
+    inv = np.float32(1) / scale
+    r = np.abs(xb) * inv[:, None]
+    u = np_uniform(k0, k1, np.arange(xb.size)).reshape(xb.shape)
+    t = np.where(u < r, np.sign(xb), 0).astype(np.int8).reshape(-1)[:n]
+    p = encode(jnp.asarray(x), key, codec)
+    np.testing.assert_array_equal(np.asarray(p["scales"]), scale)
+    np.testing.assert_array_equal(np.asarray(p["trits"]), np_base3_pack(t))
+    expect = t.astype(np.float32) * np.repeat(scale, bucket)[:n]
+    np.testing.assert_array_equal(np.asarray(decode(p)), expect)
+    # Both backends read any byte (also 243..255, never written) the same way.
+    junk = jc.Payload(
+        codec,
+        p.shape,
+        p.dtype,
+        {"trits": jnp.asarray(np.arange(p["trits"].size) % 256, jnp.uint8), "scales": p["scales"]},
+    )
+    for backend in ("ffi", "xla") if jc.cpu_available() else ("xla",):
+        got = np.asarray(decode(junk, backend))
+        b = np.arange(p["trits"].size) % 256
+        digits = np.concatenate([(b // 3 ** (4 - j)) % 3 for j in range(5)])[:n]
+        np.testing.assert_array_equal(
+            got, (digits - 1.0).astype(np.float32) * np.repeat(scale, bucket)[:n]
+        )
+
+
+def test_base3_packing_of_five_zeros_is_121():
+    codec = jc.codecs.TernGrad(bucket_size=8)
+    p = encode(jnp.zeros((10,), jnp.float32), jax.random.key(0), codec)
+    np.testing.assert_array_equal(np.asarray(p["trits"]), [121, 121])
+    # One value: planes of one digit each, four of them padding.
+    p = encode(jnp.asarray([-3.0]), jax.random.key(0), codec)
+    assert int(p["trits"][0]) == 0 * 81 + 27 + 9 + 3 + 1
+
+
+def np_natural(x, bucket, cap_exp=127, bits=None):
+    """Natural compression with the codec's finite range, written with frexp:
+    deterministic (nearest, midpoint up) when bits is None, else stochastic
+    with P(up) = mantissa / 2^23 decided by the 32 random bits of the element.
+    Returns the decoded values and the per-bucket top biased exponent."""
+    xb = buckets(x, bucket).astype(np.float32)
+    mag = np.abs(xb).astype(np.float64)
+    normal = np.isfinite(mag) & (mag >= 2.0**-126)
+    # |v| in [2^a, 2^(a+1)) for normal values.
+    a = np.where(normal, np.frexp(np.where(normal, mag, 1.0))[1] - 1, -1000)
+    top_a = np.max(np.where(np.isfinite(mag) & normal, a, -127), axis=1)  # bucket's max exponent
+    low = (top_a - 62)[:, None]  # smallest representable power 2^low
+    p_up = np.where(normal, mag / 2.0**a - 1, 0)  # = mantissa / 2^23, exact
+    if bits is None:
+        up = p_up >= 0.5
+        under_up = a == low - 1  # |v| in [2^low / 2, 2^low): nearer to 2^low (tie up)
+    else:
+        bits = bits.reshape(xb.shape).astype(np.float64)
+        up = np.floor(bits / 512) < p_up * 2**23
+        under_up = bits < mag / 2.0**low * 2**32  # P = |v| / 2^low
+    k = np.minimum(a + up, cap_exp)
+    out = np.where(a < low, np.where(under_up, 2.0**low, 0.0), 2.0**k)
+    out = np.where(normal, out, 0.0) * np.sign(xb)
+    out = np.where(np.isnan(xb), np.nan, np.where(np.isinf(xb), xb, out))
+    return out.astype(np.float32).reshape(-1)[: x.size], (top_a + 128).astype(np.uint8)
+
+
+def natural_specials():
+    return np.array(
+        [1.5, 3.0, -1.5, 1.4999999, 0.75, 1.0, -0.0, 0.0, 3e-39, -3e-39, 2.0**-63, 2.0**-64,
+         1.5 * 2.0**-64, 2.0**-80, np.inf, -np.inf, np.nan, 3e38, -3e38, 2.0**127, 6.0],
+        np.float32,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("bucket", [8, 64, 512])
+@pytest.mark.parametrize("n", [3, 1000, 4097])
+def test_natural_deterministic_matches_the_definition(bucket, n):
+    """Nearest power of two, the midpoint 1.5 * 2^a rounding up; values more
+    than 63 binades below the bucket's top go to 0 or the smallest power."""
+    codec = jc.codecs.Natural(stochastic=False, bucket_size=bucket)
+    x = plain_inputs(n, seed=n * 3 + bucket)
+    sp = natural_specials()
+    x[: min(n, sp.size)] = sp[: min(n, sp.size)]
+    p = encode(jnp.asarray(x), None, codec)
+    expect, tops = np_natural(x, bucket)
+    np.testing.assert_array_equal(np.asarray(p["tops"]), tops)
+    np.testing.assert_array_equal(np.asarray(decode(p)), expect)
+
+
+@pytest.mark.parametrize("bucket", [8, 512])
+@pytest.mark.parametrize("n", [3, 1000, 4097])
+def test_natural_stochastic_matches_the_definition(bucket, n):
+    codec = jc.codecs.Natural(bucket_size=bucket)
+    x = plain_inputs(n, seed=n * 5 + bucket)
+    sp = natural_specials()
+    x[: min(n, sp.size)] = sp[: min(n, sp.size)]
+    key = jax.random.key(9)
+    k0, k1 = (int(w) for w in jax.random.key_data(key))
+    a = np_mix32(np.array([k0], np.uint64))[0]
+    b = np_mix32(np.array([k1], np.uint64) ^ a)[0]
+    idx = np.arange(-(-n // bucket) * bucket, dtype=np.uint64)
+    bits = np_mix32(((idx + a) & M32) ^ b)
+    p = encode(jnp.asarray(x), key, codec)
+    expect, tops = np_natural(x, bucket, bits=bits)
+    np.testing.assert_array_equal(np.asarray(p["tops"]), tops)
+    np.testing.assert_array_equal(np.asarray(decode(p)), expect)
+
+
+def test_natural_codes_and_special_values():
+    """The byte layout of docs/codecs.md: sign, zero/special flag, exponent
+    below the bucket's top; midpoints round up; NaN and +-inf keep their place."""
+    codec = jc.codecs.Natural(stochastic=False, bucket_size=8)
+    x = np.array([1.5, -1.5, 1.0, 0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+    p = encode(jnp.asarray(x), None, codec)
+    assert int(p["tops"][0]) == 128  # max finite |v| = 1.5: biased exponent 127, + 1
+    np.testing.assert_array_equal(
+        np.asarray(p["codes"]), [0x00, 0x80, 0x01, 0x40, 0x40, 0x7E, 0xFE, 0x7F]
+    )
+    y = np.asarray(decode(p))
+    np.testing.assert_array_equal(y[:7], [2.0, -2.0, 1.0, 0.0, 0.0, np.inf, -np.inf])
+    assert np.isnan(y[7]) and not np.signbit(y[4])
+
+
+@pytest.mark.parametrize(
+    "dtype, big, cap", [("float16", 60000.0, 2.0**15), ("float32", 3e38, 2.0**127)]
+)
+def test_natural_never_overflows_the_dtype(dtype, big, cap):
+    """Rounding up stops at the dtype's largest power of two (documented)."""
+    x = jnp.asarray([big, -big, 1.0, 0.5], dtype)
+    for codec in (
+        jc.codecs.Natural(stochastic=False, bucket_size=8),
+        jc.codecs.Natural(bucket_size=8),
+    ):
+        for s in range(20):
+            y = np.asarray(decode(encode(x, jax.random.key(s), codec)), np.float64)
+            assert y[0] == cap and y[1] == -cap and np.all(np.isfinite(y))

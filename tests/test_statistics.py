@@ -127,3 +127,98 @@ def test_rng_is_uniform_and_decorrelated():
     u2 = np.asarray(rng_uniform(seed2, idx), np.float64)
     assert abs(np.corrcoef(u, u2)[0, 1]) < 6 / np.sqrt(u.size)
     assert abs(np.corrcoef(u[1:], u2[:-1])[0, 1]) < 6 / np.sqrt(u.size)
+
+
+def _z_checks(q, x, var, step_abs):
+    """Unbiasedness by z-scores over K keys (as for QSGD above); elements whose
+    Bernoulli is too lopsided for the normal approximation are checked by an
+    absolute bound."""
+    mean = q.mean(0)
+    ok = K * var / np.maximum(step_abs, 1e-30) ** 2 >= 20
+    z = (mean[ok] - x[ok]) / np.sqrt(var[ok] / K)
+    m = ok.sum()
+    assert m > x.size / 4
+    assert abs(z.mean()) < 6 / np.sqrt(m)
+    chi2 = float((z**2).sum())
+    assert abs(chi2 - m) < 6 * np.sqrt(2 * m), (chi2, m)
+    assert np.max(np.abs(z)) < 6.5
+    rare = ~ok
+    assert np.all(np.abs(mean[rare] - x[rare]) <= step_abs[rare] * 60 / K + 1e-7)
+
+
+@pytest.mark.parametrize("bucket", [64, 512])
+def test_terngrad_is_unbiased_with_its_variance(bucket):
+    """TernGrad (Wen et al. 2017): E[t * s] = v and Var = s^2 p (1 - p),
+    p = |v| / s, s = the bucket's max|v|."""
+    codec = jc.codecs.TernGrad(bucket_size=bucket)
+    n = 2048
+    rng = np.random.default_rng(bucket)
+    x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n))).astype(np.float32)
+    keys = jax.random.split(jax.random.key(99), K)
+    q = np.asarray(_samples(jnp.asarray(x), keys, codec), np.float64)
+    s = np.repeat(np.abs(x.astype(np.float64)).reshape(-1, bucket).max(1), bucket)
+    # Every sample is 0 or sign(v) * s.
+    assert np.all((q == 0) | (q == np.sign(x) * s.astype(np.float32)))
+    p = np.abs(x) / s
+    var = s**2 * p * (1 - p)
+    _z_checks(q, x.astype(np.float64), var, s)
+    emp = q.var(0)
+    assert np.all(emp <= s**2 / 4 * 1.2 + 1e-12)
+    assert abs(emp.sum() / var.sum() - 1) < 0.05
+
+
+def _natural_inputs(n, seed):
+    """Values over ~40 binades (within the codec's 63 below each bucket's top)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(n) * np.exp2(rng.uniform(-20, 20, n))).astype(np.float32)
+
+
+def test_natural_outputs_are_signed_powers_of_two():
+    x = _natural_inputs(4096, 1)
+    x[:4] = [0.0, -0.0, 3e-39, -3e-39]
+    for codec in (jc.codecs.Natural(), jc.codecs.Natural(stochastic=False)):
+        for s in range(4):
+            y = np.asarray(codec.decode(codec.encode(jnp.asarray(x), jax.random.key(s))))
+            assert np.all(y[:4] == 0)
+            mant, _ = np.frexp(np.abs(y[4:]))
+            assert np.all(mant == 0.5)  # exactly 2^k
+            assert np.all(np.sign(y[4:]) == np.sign(x[4:]))
+            # And one of the two powers around |x| (or |x| itself).
+            ratio = np.abs(y[4:]).astype(np.float64) / np.abs(x[4:])
+            assert np.all((ratio > 0.5) & (ratio <= 2))
+
+
+def test_natural_is_unbiased_with_variance_at_most_an_eighth():
+    """C_nat (the IntML paper; Theorem 1 of its technical report): unbiased,
+    E[(C(t) - t)^2] = 4^a p (1 - p) <= t^2 / 8 for |t| in [2^a, 2^(a+1)),
+    p = |t| / 2^a - 1 (the maximum, 1/8, at |t| = 4/3 * 2^a)."""
+    codec = jc.codecs.Natural(bucket_size=512)
+    n = 2048
+    x = _natural_inputs(n, 2)
+    x[:8] = np.float32(4 / 3) * np.exp2(np.arange(8) - 4).astype(np.float32)  # the worst case
+    keys = jax.random.split(jax.random.key(77), K)
+    q = np.asarray(_samples(jnp.asarray(x), keys, codec), np.float64)
+    t = np.abs(x.astype(np.float64))
+    lo = np.exp2(np.floor(np.log2(t)))
+    p = t / lo - 1
+    var = lo**2 * p * (1 - p)
+    assert np.all(var <= t**2 / 8 * (1 + 1e-12))
+    _z_checks(q, x.astype(np.float64), var, lo)
+    emp = ((q - x.astype(np.float64)) ** 2).mean(0)
+    assert np.all(emp <= t**2 / 8 * 1.2)
+    assert abs(emp.sum() / var.sum() - 1) < 0.05
+
+
+def test_natural_underflow_rounding_is_unbiased():
+    """Values more than 63 binades below the bucket's top round to 0 or the
+    smallest power 2^(top - 63) with probability |v| / 2^(top - 63)."""
+    codec = jc.codecs.Natural(bucket_size=8)
+    small = np.float32(2.0**-70) * np.float32(1.2345)
+    x = np.array([1.0, small, -small, small * 3, 0, 0, 0, 0], np.float32)
+    keys = jax.random.split(jax.random.key(5), K)
+    q = np.asarray(_samples(jnp.asarray(x), keys, codec), np.float64)
+    p_min = 2.0**-62  # top = biased exponent of 1.0, + 1; smallest = top - 63
+    for i in (1, 2, 3):
+        assert set(np.unique(q[:, i])) <= {0.0, np.sign(x[i]) * p_min}
+        p = abs(float(x[i])) / p_min
+        assert abs(np.mean(q[:, i] != 0) - p) < 6 * np.sqrt(p * (1 - p) / K)

@@ -176,7 +176,15 @@ def test_dtype_codes_are_the_documented_ones():
 
 def test_codec_ids_are_the_documented_ones():
     ids = {name: jc.codecs.get(name).codec_id for name in jc.codecs.names()}
-    assert ids == {"identity": 0, "qsgd": 1, "onebit": 2, "int8": 3, "cast": 4}
+    assert ids == {
+        "identity": 0,
+        "qsgd": 1,
+        "onebit": 2,
+        "int8": 3,
+        "cast": 4,
+        "terngrad": 5,
+        "natural": 6,
+    }
 
 
 def test_header_of_a_known_message():

@@ -7,7 +7,20 @@ from jaxcomp.codecs.base import Codec, get, names
 from jaxcomp.codecs.cast import Cast
 from jaxcomp.codecs.identity import Identity
 from jaxcomp.codecs.int8 import Int8
+from jaxcomp.codecs.natural import Natural
 from jaxcomp.codecs.onebit import OneBit
 from jaxcomp.codecs.qsgd import QSGD
+from jaxcomp.codecs.terngrad import TernGrad
 
-__all__ = ["QSGD", "Cast", "Codec", "Identity", "Int8", "OneBit", "get", "names"]
+__all__ = [
+    "QSGD",
+    "Cast",
+    "Codec",
+    "Identity",
+    "Int8",
+    "Natural",
+    "OneBit",
+    "TernGrad",
+    "get",
+    "names",
+]

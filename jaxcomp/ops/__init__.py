@@ -3,6 +3,6 @@
 Platform dispatch lives in :mod:`jaxcomp.ops._dispatch` and only there.
 """
 
-from jaxcomp.ops import cast, int8, onebit, packing, qsgd, rng
+from jaxcomp.ops import cast, int8, natural, onebit, packing, qsgd, rng, ternary, terngrad
 
-__all__ = ["cast", "int8", "onebit", "packing", "qsgd", "rng"]
+__all__ = ["cast", "int8", "natural", "onebit", "packing", "qsgd", "rng", "ternary", "terngrad"]

@@ -67,6 +67,17 @@ CASES = [
     ("identity", {}, (3, 100), "bfloat16", "normal"),
     ("identity", {}, (1029,), "float16", "normal"),
     ("identity", {}, (2, 0), "float16", "normal"),
+    ("terngrad", {"bucket_size": 8}, (37,), "float32", "normal"),
+    ("terngrad", {"bucket_size": 16}, (3, 100), "bfloat16", "normal"),
+    ("terngrad", {}, (1029,), "float16", "normal"),
+    ("terngrad", {"bucket_size": 8}, (37,), "float32", "special"),
+    ("terngrad", {"bucket_size": 8}, (), "float16", "normal"),
+    ("natural", {"stochastic": True, "bucket_size": 8}, (37,), "float32", "normal"),
+    ("natural", {"stochastic": False, "bucket_size": 16}, (300,), "bfloat16", "normal"),
+    ("natural", {}, (1029,), "float16", "normal"),
+    ("natural", {"stochastic": True, "bucket_size": 8}, (37,), "float32", "special"),
+    ("natural", {"stochastic": False, "bucket_size": 8}, (37,), "float16", "special"),
+    ("natural", {"stochastic": False, "bucket_size": 8}, (0,), "float32", "normal"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the
