@@ -1,0 +1,68 @@
+"""One process of the multi-process collective test (tests/test_multiprocess.py).
+
+    python tests/_mp_worker.py PORT NUM_PROCESSES PROCESS_ID OUT.npz
+
+Joins a jax.distributed job on loopback (gloo CPU collectives, one CPU device
+per process), runs jc.psum for every (codec, algorithm) case on the same
+deterministic global input, and saves this process's rows of value and sent.
+"""
+
+import sys
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+CASES = [
+    ("identity", {}, "allgather"),
+    ("int8", {"bucket_size": 64}, "allgather"),
+    ("int8", {"bucket_size": 64}, "two_phase"),
+    ("qsgd", {"bits": 4, "bucket_size": 64}, "two_phase"),
+    ("qsgd", {"bits": 4, "bucket_size": 64}, "ring"),
+    ("onebit", {}, "two_phase"),
+]
+N = 1000
+
+
+def global_input(num: int) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((num, N)).astype(np.float32)
+
+
+def run(mesh, x, codec, algorithm):
+    import jaxcomp as jc
+
+    def f(x, k):
+        r = jc.psum(x[0], "data", codec, key=k, algorithm=algorithm)
+        return r.value[None], r.sent[None]
+
+    g = jax.jit(
+        jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P("data")))
+    )
+    return g(x, jax.random.key(7))
+
+
+def main() -> None:
+    port, num, pid, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    jax.config.update("jax_platforms", "cpu")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}", num_processes=num, process_id=pid
+    )
+    import jaxcomp as jc
+
+    mesh = jax.make_mesh((num,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    data = global_input(num)
+    sharding = NamedSharding(mesh, P("data"))
+    x = jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
+    results = {}
+    for i, (name, params, algorithm) in enumerate(CASES):
+        value, sent = run(mesh, x, jc.codecs.get(name, **params), algorithm)
+        (v,) = [np.asarray(s.data) for s in value.addressable_shards]
+        (s_,) = [np.asarray(s.data) for s in sent.addressable_shards]
+        results[f"value{i}"], results[f"sent{i}"] = v, s_
+    np.savez(out, **results)
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
