@@ -175,3 +175,67 @@ def test_pmap(mesh):
     r = f(x)
     _, (v, _) = _run(mesh, codec, "two_phase", x)
     np.testing.assert_array_equal(np.asarray(r.value), np.asarray(v))
+
+
+@pytest.fixture(scope="module")
+def mesh2d():
+    if len(jax.devices()) < N_DEV:
+        pytest.skip(f"needs {N_DEV} devices")
+    return jax.make_mesh((2, 4), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _run2d(mesh2d, codec, x, algorithm="hierarchical"):
+    def f(x, k):
+        r = jcc.psum(x[0, 0], ("node", "local"), codec, key=k, algorithm=algorithm)
+        return r.value[None, None], r.sent[None, None]
+
+    spec = P("node", "local")
+    g = jax.jit(jax.shard_map(f, mesh=mesh2d, in_specs=(spec, P()), out_specs=(spec, spec)))
+    return g, g(x, KEY)
+
+
+@pytest.mark.parametrize(
+    "codec",
+    [jc.codecs.Identity(), jc.codecs.Int8(bucket_size=64), jc.codecs.QSGD(bits=4, bucket_size=64)],
+    ids=repr,
+)
+def test_hierarchical_sum_and_conservation(mesh2d, codec):
+    x = jax.random.normal(jax.random.key(1), (2, 4, 999))
+    _, (v, s) = _run2d(mesh2d, codec, x)
+    v = np.asarray(v, np.float64).reshape(N_DEV, -1)
+    s = np.asarray(s, np.float64).reshape(N_DEV, -1)
+    assert np.all(v == v[0])
+    np.testing.assert_allclose(s.sum(0), v[0], rtol=1e-5, atol=1e-5)
+    exact = np.asarray(x, np.float64).reshape(N_DEV, -1).sum(0)
+    assert np.linalg.norm(v[0] - exact) <= REL_ERR[codec.name] * np.linalg.norm(exact)
+
+
+def test_hierarchical_compresses_only_over_the_slow_axis(mesh2d):
+    codec = jc.codecs.QSGD(bits=4, bucket_size=512)
+    n = 1 << 14
+    x = jax.random.normal(jax.random.key(1), (2, 4, n))
+    g, _ = _run2d(mesh2d, codec, x)
+    hlo = g.lower(x, KEY).compile().as_text()
+    saw_fast_f32 = saw_slow_u8 = False
+    for line in hlo.splitlines():
+        m = re.search(
+            r"=\s*(.*?)\s+(all-gather|all-to-all|reduce-scatter|all-reduce|collective-permute)\(",
+            line,
+        )
+        if not m:
+            continue
+        # Replica groups print as mesh axes ({'local'}) or as device lists.
+        over_fast = "{'local'}" in line or "{0,1,2,3}" in line
+        over_slow = "{'node'}" in line or "{0,4}" in line
+        assert over_fast != over_slow, line[:300]
+        if "u8[" in m.group(1):
+            assert over_slow, f"compressed data over the fast axis: {line[:200]}"
+            saw_slow_u8 = True
+        elif "f32[" in m.group(1) and over_fast:
+            saw_fast_f32 = True
+    assert saw_slow_u8 and saw_fast_f32
+
+
+def test_hierarchical_needs_two_axes(mesh):
+    with pytest.raises(ValueError, match="hierarchical"):
+        _run(mesh, jc.codecs.Int8(), "hierarchical", jnp.ones((N_DEV, 8)))

@@ -12,7 +12,7 @@ from jax import lax
 from jaxcomp.codecs.base import Codec
 from jaxcomp.payload import Payload
 
-ALGORITHMS = ("auto", "allgather", "two_phase", "ring")
+ALGORITHMS = ("auto", "allgather", "two_phase", "ring", "hierarchical")
 
 
 class Reduced(NamedTuple):
@@ -165,6 +165,30 @@ def _ring(codec, flat, axis_name, size, key):
 _IMPLS = {"allgather": _allgather, "two_phase": _two_phase, "ring": _ring}
 
 
+def _hierarchical(codec, flat, slow, fast, key, inner: str):
+    """Full precision over the fast axis, compression only over the slow one:
+    reduce-scatter over ``fast`` (``psum_scatter``), a compressed all-reduce
+    of this device's chunk over ``slow`` (algorithm ``inner``), then an
+    all-gather over ``fast``. The slow stage's error on a chunk is charged to
+    the device that owns the chunk within its node."""
+    local = _axis_size(fast)
+    me = lax.axis_index(fast)
+    chunks, c = _chunked(flat.astype(jnp.float32), local)
+    mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[0]  # [c], summed over fast
+    nodes = _axis_size(slow)
+    if inner == "auto":
+        inner = choose_algorithm(codec, c, nodes)
+    if nodes == 1:
+        p = codec.encode(mine.astype(flat.dtype), key)
+        reduced, sent_mine = (codec.decode(p).astype(jnp.float32),) * 2
+    else:
+        reduced, sent_mine = _IMPLS[inner](codec, mine.astype(flat.dtype), slow, nodes, key)
+    total = lax.all_gather(reduced, fast, tiled=True)[: flat.size]
+    error = jnp.zeros_like(chunks).at[me].set(sent_mine - mine)
+    sent = (chunks + error).reshape(-1)[: flat.size]
+    return total, sent
+
+
 def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     """The rule behind ``algorithm="auto"``.
 
@@ -208,8 +232,25 @@ def psum(
     if not isinstance(codec, Codec):
         raise TypeError(f"jc.psum: codec must be a jaxcomp codec, got {type(codec).__name__}")
     x = codec.check_input(x)
-    size = _axis_size(axis_name)
     flat = x.reshape(-1)
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 2 or algorithm not in ("auto", "hierarchical"):
+            raise ValueError(
+                "jc.psum: a tuple of axis names means the hierarchical algorithm over "
+                "(slow, fast) axes, e.g. ('node', 'local'); got "
+                f"axis_name={axis_name!r}, algorithm={algorithm!r}"
+            )
+        slow, fast = axis_name
+        _axis_size(fast)
+        key = _device_key(codec, key, axis_name)
+        total, sent = _hierarchical(codec, flat, slow, fast, key, "auto")
+        return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape))
+    if algorithm == "hierarchical":
+        raise ValueError(
+            "jc.psum: algorithm='hierarchical' needs axis_name=(slow_axis, fast_axis), "
+            "e.g. ('node', 'local')"
+        )
+    size = _axis_size(axis_name)
     if algorithm == "auto":
         algorithm = choose_algorithm(codec, flat.size, size)
     key = _device_key(codec, key, axis_name)
@@ -226,7 +267,8 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto") -> R
     """Compressed mean over ``axis_name``: :func:`psum`'s value divided by the
     axis size (``sent`` is unchanged: this device's compressed contribution)."""
     r = psum(x, axis_name, codec, key=key, algorithm=algorithm)
-    size = _axis_size(axis_name)
+    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    size = int(np.prod([_axis_size(a) for a in names]))
     return Reduced((r.value.astype(jnp.float32) / size).astype(r.value.dtype), r.sent)
 
 
@@ -241,6 +283,8 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
         return {}
     c = -(-n // axis_size) if n else 0
     chunk = _payload_nbytes(codec, c, dtype)
+    if algorithm == "hierarchical":
+        raise ValueError("operand_nbytes: the hierarchical algorithm has two axes; not supported here")
     if algorithm == "allgather":
         return {"all-gather": _payload_nbytes(codec, n, dtype)}
     if algorithm == "two_phase":
