@@ -1,0 +1,382 @@
+"""Compressed all-reduce vs lax.psum over emulated slow links.
+
+One JAX process per network namespace, each with one CPU device, joined by
+jax.distributed (gloo); every host's link to a shared bridge is shaped with
+tbf in both directions (the test bed of the project's testbed notes). For
+each process count P, link rate and (codec, algorithm), the time of one
+all-reduce of N float32 per process is the median over iterations of the
+slowest process, beside lax.psum's, the bytes each device hands to the
+collectives, and the alpha-beta prediction (bandwidth term only: tbf has no
+delay).
+
+    sudo python benchmarks/collectives.py                     # the full sweep
+    sudo python benchmarks/collectives.py --procs 2 --rates 1gbit --log2-n 20
+
+Needs root, iproute2 (ip, tc) and the tbf qdisc; skips with a message where
+any is missing. Writes benchmarks/results/collectives.json and, for the full
+sweep, the section between the markers in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
+BRIDGE_NS = "jcbr"
+SUBNET = "10.77.0"
+# (codec name, params, algorithm)
+CASES = [
+    ("qsgd", {"bits": 4, "bucket_size": 512}, "two_phase"),
+    ("qsgd", {"bits": 4, "bucket_size": 512}, "allgather"),
+    ("qsgd", {"bits": 4, "bucket_size": 512}, "ring"),
+    ("qsgd", {"bits": 8, "bucket_size": 512}, "two_phase"),
+    ("int8", {"bucket_size": 512}, "two_phase"),
+    ("onebit", {"bucket_size": 64}, "two_phase"),
+    ("cast", {"dtype": "bfloat16"}, "two_phase"),
+]
+RATES = {"1gbit": ("256kb", "5ms", 1e9), "100mbit": ("32kb", "20ms", 1e8)}
+
+
+# ---------------------------------------------------------------------------
+# The test bed
+# ---------------------------------------------------------------------------
+def run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=check, capture_output=True, text=True)
+
+
+def probe() -> str | None:
+    """Why the bed cannot be built here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (Debian: iproute2)"
+    name = f"jcprobe{random.randrange(1 << 20)}"
+    try:
+        run("ip", "netns", "add", name)
+        run("ip", "-n", name, "link", "add", "pa0", "type", "veth", "peer", "name", "pb0")
+        r = run(
+            "tc",
+            "-n",
+            name,
+            "qdisc",
+            "add",
+            "dev",
+            "pa0",
+            "root",
+            "tbf",
+            "rate",
+            "1gbit",
+            "burst",
+            "256kb",
+            "latency",
+            "5ms",
+            check=False,
+        )
+        if r.returncode != 0:
+            return f"tbf qdisc unavailable: {r.stderr.strip()}"
+    except subprocess.CalledProcessError as e:
+        return f"cannot create a network namespace: {e.stderr.strip()}"
+    finally:
+        run("ip", "netns", "del", name, check=False)
+    return None
+
+
+@contextlib.contextmanager
+def bed(procs: int, rate: str):
+    """Namespaces ns0..ns{P-1} on a bridge, every link shaped to ``rate``."""
+    burst, latency, _ = RATES[rate]
+    hostname = socket.gethostname()
+    hosts = [f"jcns{i}" for i in range(procs)]
+    try:
+        run("ip", "netns", "add", BRIDGE_NS)
+        run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
+        for i, ns in enumerate(hosts):
+            run("ip", "netns", "add", ns)
+            run(
+                "ip",
+                "link",
+                "add",
+                f"veth{i}",
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"vbr{i}",
+                "netns",
+                BRIDGE_NS,
+            )
+            run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", f"veth{i}")
+            run("ip", "-n", ns, "link", "set", f"veth{i}", "up")
+            run("ip", "-n", ns, "link", "set", "lo", "up")
+            run("ip", "-n", BRIDGE_NS, "link", "set", f"vbr{i}", "master", "br0")
+            run("ip", "-n", BRIDGE_NS, "link", "set", f"vbr{i}", "up")
+            for netns, dev in ((ns, f"veth{i}"), (BRIDGE_NS, f"vbr{i}")):
+                run(
+                    "tc",
+                    "-n",
+                    netns,
+                    "qdisc",
+                    "replace",
+                    "dev",
+                    dev,
+                    "root",
+                    "tbf",
+                    "rate",
+                    rate,
+                    "burst",
+                    burst,
+                    "latency",
+                    latency,
+                )
+            # gloo advertises the address the hostname resolves to.
+            etc = pathlib.Path("/etc/netns") / ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET}.{i + 1} {hostname}\n")
+        yield hosts
+    finally:
+        for ns in hosts:
+            run("ip", "netns", "del", ns, check=False)
+            shutil.rmtree(pathlib.Path("/etc/netns") / ns, ignore_errors=True)
+        run("ip", "netns", "del", BRIDGE_NS, check=False)
+
+
+# ---------------------------------------------------------------------------
+# One process of the job
+# ---------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.distributed.initialize(
+        coordinator_address=f"{SUBNET}.1:{args.port}",
+        num_processes=args.procs,
+        process_id=args.pid,
+        initialization_timeout=120,
+    )
+    import jaxcomp as jc
+    from jax.experimental import multihost_utils
+
+    n = 1 << args.log2_n
+    mesh = jax.make_mesh((args.procs,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    sharding = NamedSharding(mesh, P("data"))
+    local = np.random.default_rng(args.pid).standard_normal((1, n)).astype(np.float32)
+    x = jax.make_array_from_process_local_data(sharding, local, (args.procs, n))
+    key = jax.random.key(0)
+
+    def timed(f) -> list[float]:
+        jax.block_until_ready(f(x, key))  # compile, warm up
+        times = []
+        for _ in range(args.iters):
+            multihost_utils.sync_global_devices("iter")
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(x, key))
+            times.append(time.perf_counter() - t0)
+        return times
+
+    def shard(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
+
+    rows = {"psum": timed(shard(lambda x, k: jax.lax.psum(x, "data")))}
+    for name, params, alg in CASES:
+        codec = jc.codecs.get(name, **params)
+        rows[f"{name}|{json.dumps(params)}|{alg}"] = timed(
+            shard(
+                lambda x, k, c=codec, a=alg: jc.psum(x[0], "data", c, key=k, algorithm=a).value[
+                    None
+                ]
+            )
+        )
+    pathlib.Path(args.out).write_text(json.dumps(rows))
+    jax.distributed.shutdown()
+    del jnp
+
+
+def launch(
+    hosts: list[str], args: argparse.Namespace, tmp: pathlib.Path
+) -> dict[str, list[list[float]]]:
+    port = random.randrange(20000, 60000)
+    procs = []
+    for i, ns in enumerate(hosts):
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "timeout",
+            str(args.timeout),
+            sys.executable,
+            __file__,
+            "--worker",
+            "--port",
+            str(port),
+            "--procs",
+            str(len(hosts)),
+            "--pid",
+            str(i),
+            "--log2-n",
+            str(args.log2_n),
+            "--iters",
+            str(args.iters),
+            "--out",
+            str(tmp / f"{i}.json"),
+        ]
+        env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    logs = [p.communicate()[0] for p in procs]
+    for i, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RuntimeError(f"process {i} failed ({p.returncode}):\n{logs[i][-3000:]}")
+    results: dict[str, list[list[float]]] = {}
+    for i in range(len(hosts)):
+        for k, v in json.loads((tmp / f"{i}.json").read_text()).items():
+            results.setdefault(k, []).append(v)
+    return results
+
+
+def predict(kind_bytes: dict[str, int], procs: int, rate_bps: float) -> float:
+    """Bandwidth term of the alpha-beta model for the collectives' operands."""
+    bytes_out = (
+        kind_bytes.get("all-gather", 0) * (procs - 1)
+        + kind_bytes.get("all-to-all", 0) * (procs - 1) / procs
+        + kind_bytes.get("collective-permute", 0)
+        + kind_bytes.get("all-reduce", 0) * 2 * (procs - 1) / procs
+    )
+    return 8 * bytes_out / rate_bps
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--procs", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"], choices=list(RATES))
+    ap.add_argument(
+        "--log2-n", type=int, default=24, help="float32 values per process (default 2^24)"
+    )
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "collectives.json"))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        args.procs = args.procs[0] if isinstance(args.procs, list) else args.procs
+        worker(args)
+        return 0
+
+    why = probe()
+    if why:
+        print(f"skipped: the emulated-link test bed {why}")
+        return 0
+    import jax.numpy as jnp
+
+    import jaxcomp as jc
+
+    n = 1 << args.log2_n
+    table, records = [], []
+    for procs in args.procs:
+        for rate in args.rates:
+            rate_bps = RATES[rate][2]
+            tmp = pathlib.Path(f"/tmp/jc-collectives-{os.getpid()}")
+            tmp.mkdir(exist_ok=True)
+            with bed(procs, rate) as hosts:
+                res = launch(hosts, args, tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+            slowest = {k: max(statistics.median(t) for t in v) for k, v in res.items()}
+            base = slowest.pop("psum")
+            base_pred = predict({"all-reduce": 4 * n}, procs, rate_bps)
+            table.append((procs, rate, "float32", "lax.psum", 4 * n, base, base_pred, 1.0))
+            for key, t in slowest.items():
+                name, params, alg = key.split("|")
+                codec = jc.codecs.get(name, **json.loads(params))
+                kinds = jc.collectives.operand_nbytes(codec, (n,), jnp.float32, procs, alg)
+                table.append(
+                    (
+                        procs,
+                        rate,
+                        repr(codec),
+                        alg,
+                        sum(kinds.values()),
+                        t,
+                        predict(kinds, procs, rate_bps),
+                        base / t,
+                    )
+                )
+            for row in table[-len(slowest) - 1 :]:
+                print(
+                    " | ".join(str(c) if not isinstance(c, float) else f"{c:.3f}" for c in row),
+                    flush=True,
+                )
+                records.append(
+                    dict(
+                        zip(
+                            (
+                                "procs",
+                                "rate",
+                                "codec",
+                                "algorithm",
+                                "operand_bytes",
+                                "seconds",
+                                "predicted_seconds",
+                                "speedup_vs_psum",
+                            ),
+                            row,
+                            strict=True,
+                        )
+                    )
+                )
+    out = pathlib.Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"n_per_process": n, "rows": records}, indent=1))
+    lines = [
+        BEGIN,
+        f"Command: `sudo python benchmarks/collectives.py {' '.join(sys.argv[1:])}`; {n} float32 per "
+        f"process, median of {args.iters} iterations of the slowest process.",
+        "",
+        "| P | link | codec | algorithm | operand bytes/device | time s | alpha-beta s | speedup vs lax.psum |",
+        "|---|---|---|---|---|---|---|---|",
+        *[
+            f"| {p} | {r} | `{c}` | {a} | {b} | {t:.3f} | {pr:.3f} | {s:.1f}x |"
+            for p, r, c, a, b, t, pr, s in table
+        ],
+        END,
+    ]
+    if len(args.procs) > 1 and len(args.rates) > 1:
+        doc = ROOT / "docs" / "benchmarks.md"
+        text = doc.read_text()
+        if BEGIN not in text:
+            text += f"\n## Compressed all-reduce over emulated links\n\n{BEGIN}\n{END}\n"
+        head, rest = text.split(BEGIN, 1)
+        doc.write_text(head + "\n".join(lines) + rest.split(END, 1)[1])
+        print(f"updated {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
