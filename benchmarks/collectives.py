@@ -173,8 +173,9 @@ def worker(args: argparse.Namespace) -> None:
         process_id=args.pid,
         initialization_timeout=120,
     )
-    import jaxcomp as jc
     from jax.experimental import multihost_utils
+
+    import jaxcomp as jc
 
     n = 1 << args.log2_n
     mesh = jax.make_mesh((args.procs,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
