@@ -174,7 +174,9 @@ def _hierarchical(codec, flat, slow, fast, key, inner: str):
     local = _axis_size(fast)
     me = lax.axis_index(fast)
     chunks, c = _chunked(flat.astype(jnp.float32), local)
-    mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[0]  # [c], summed over fast
+    mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[
+        0
+    ]  # [c], summed over fast
     nodes = _axis_size(slow)
     if inner == "auto":
         inner = choose_algorithm(codec, c, nodes)
@@ -284,7 +286,9 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
     c = -(-n // axis_size) if n else 0
     chunk = _payload_nbytes(codec, c, dtype)
     if algorithm == "hierarchical":
-        raise ValueError("operand_nbytes: the hierarchical algorithm has two axes; not supported here")
+        raise ValueError(
+            "operand_nbytes: the hierarchical algorithm has two axes; not supported here"
+        )
     if algorithm == "allgather":
         return {"all-gather": _payload_nbytes(codec, n, dtype)}
     if algorithm == "two_phase":
