@@ -59,6 +59,20 @@ def check_bucket_size(owner: str, bucket_size: Any) -> None:
     check_int(owner, "bucket_size", bucket_size, "a power of two in [8, 65536]", ok)
 
 
+class BucketSizeWire:
+    """Wire parameters of a codec configured by ``bucket_size`` alone."""
+
+    bucket_size: int
+
+    def wire_params(self) -> tuple[int, ...]:
+        return (self.bucket_size,)
+
+    @classmethod
+    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
+        (bucket_size,) = params
+        return cls(bucket_size=bucket_size)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """Base class of every codec.

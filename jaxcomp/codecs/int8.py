@@ -8,20 +8,20 @@ section 5.1: scale = max|v| / 127, round to nearest.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops import int8 as ops
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Int8(Codec):
+class Int8(BucketSizeWire, Codec):
     """``q = round(v * 127 / max|v|)`` in [-127, 127] (ties to even), one
     float32 ``max|v|`` per bucket; decodes to ``q * max|v| / 127``.
 
@@ -57,11 +57,3 @@ class Int8(Codec):
             bucket=self.bucket_size,
             backend=backend,
         )
-
-    def wire_params(self):
-        return (self.bucket_size,)
-
-    @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        (bucket_size,) = params
-        return cls(bucket_size=bucket_size)

@@ -10,20 +10,20 @@ feedback to converge.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops import onebit as ops
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OneBit(Codec):
+class OneBit(BucketSizeWire, Codec):
     """One bit per value: ``v >= 0`` decodes to the bucket's mean of its
     non-negative values (avg+), ``v < 0`` to the mean of its negatives (avg-).
 
@@ -59,11 +59,3 @@ class OneBit(Codec):
             bucket=self.bucket_size,
             backend=backend,
         )
-
-    def wire_params(self):
-        return (self.bucket_size,)
-
-    @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        (bucket_size,) = params
-        return cls(bucket_size=bucket_size)

@@ -9,13 +9,13 @@ Lim et al., "3LC" (SysML 2019), section 3.2.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops import ternary
 from jaxcomp.ops import terngrad as ops
@@ -23,7 +23,7 @@ from jaxcomp.ops import terngrad as ops
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TernGrad(Codec):
+class TernGrad(BucketSizeWire, Codec):
     """Each value becomes ``sign(v) * s * b`` with ``s`` the bucket's max|v|
     and ``b = 1`` with probability ``|v| / s`` (else 0): unbiased, with
     per-element variance ``s^2 p (1 - p)``, ``p = |v| / s``. The trits are
@@ -63,11 +63,3 @@ class TernGrad(Codec):
             bucket=self.bucket_size,
             backend=backend,
         )
-
-    def wire_params(self):
-        return (self.bucket_size,)
-
-    @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        (bucket_size,) = params
-        return cls(bucket_size=bucket_size)
