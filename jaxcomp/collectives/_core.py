@@ -80,10 +80,6 @@ def _chunked(flat: jax.Array, parts: int) -> tuple[jax.Array, int]:
     return jnp.pad(flat, (0, parts * c - flat.size)).reshape(parts, c), c
 
 
-def _payload_nbytes(codec: Codec, n: int, dtype) -> int:
-    return codec.wire_nbytes((n,), dtype)
-
-
 # ---------------------------------------------------------------------------
 # Algorithms. Each takes the flat input and returns (sum float32, sent float32).
 # ---------------------------------------------------------------------------
@@ -165,30 +161,30 @@ def _ring(codec, flat, axis_name, size, key):
 _IMPLS = {"allgather": _allgather, "two_phase": _two_phase, "ring": _ring}
 
 
-def _hierarchical(codec, flat, slow, fast, key, inner: str):
+def _reduce(codec, flat, axis_name, algorithm, key):
+    """(sum float32, sent float32) of ``flat`` over one axis; ``algorithm``
+    may be "auto". One device: encode and decode locally."""
+    size = _axis_size(axis_name)
+    if size == 1:
+        sent = codec.decode(codec.encode(flat, key)).astype(jnp.float32)
+        return sent, sent
+    if algorithm == "auto":
+        algorithm = choose_algorithm(codec, flat.size, size)
+    return _IMPLS[algorithm](codec, flat, axis_name, size, key)
+
+
+def _hierarchical(codec, flat, slow, fast, key):
     """Full precision over the fast axis, compression only over the slow one:
     reduce-scatter over ``fast`` (``psum_scatter``), a compressed all-reduce
-    of this device's chunk over ``slow`` (algorithm ``inner``), then an
+    of this device's chunk over ``slow`` (by the ``auto`` rule), then an
     all-gather over ``fast``. The slow stage's error on a chunk is charged to
     the device that owns the chunk within its node."""
-    local = _axis_size(fast)
-    me = lax.axis_index(fast)
-    chunks, c = _chunked(flat.astype(jnp.float32), local)
-    mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[
-        0
-    ]  # [c], summed over fast
-    nodes = _axis_size(slow)
-    if inner == "auto":
-        inner = choose_algorithm(codec, c, nodes)
-    if nodes == 1:
-        p = codec.encode(mine.astype(flat.dtype), key)
-        reduced, sent_mine = (codec.decode(p).astype(jnp.float32),) * 2
-    else:
-        reduced, sent_mine = _IMPLS[inner](codec, mine.astype(flat.dtype), slow, nodes, key)
+    chunks, _ = _chunked(flat.astype(jnp.float32), _axis_size(fast))
+    mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[0]  # summed over fast
+    reduced, sent_mine = _reduce(codec, mine.astype(flat.dtype), slow, "auto", key)
     total = lax.all_gather(reduced, fast, tiled=True)[: flat.size]
-    error = jnp.zeros_like(chunks).at[me].set(sent_mine - mine)
-    sent = (chunks + error).reshape(-1)[: flat.size]
-    return total, sent
+    error = jnp.zeros_like(chunks).at[lax.axis_index(fast)].set(sent_mine - mine)
+    return total, (chunks + error).reshape(-1)[: flat.size]
 
 
 def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
@@ -243,25 +239,17 @@ def psum(
                 f"axis_name={axis_name!r}, algorithm={algorithm!r}"
             )
         slow, fast = axis_name
-        _axis_size(fast)
-        key = _device_key(codec, key, axis_name)
-        total, sent = _hierarchical(codec, flat, slow, fast, key, "auto")
-        return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape))
-    if algorithm == "hierarchical":
+        for name in axis_name:  # a clear error for an unbound name, before axis_index
+            _axis_size(name)
+        total, sent = _hierarchical(codec, flat, slow, fast, _device_key(codec, key, axis_name))
+    elif algorithm == "hierarchical":
         raise ValueError(
             "jc.psum: algorithm='hierarchical' needs axis_name=(slow_axis, fast_axis), "
             "e.g. ('node', 'local')"
         )
-    size = _axis_size(axis_name)
-    if algorithm == "auto":
-        algorithm = choose_algorithm(codec, flat.size, size)
-    key = _device_key(codec, key, axis_name)
-    if size == 1:
-        p = codec.encode(flat, key)
-        sent = codec.decode(p).astype(jnp.float32)
-        total = sent
     else:
-        total, sent = _IMPLS[algorithm](codec, flat, axis_name, size, key)
+        _axis_size(axis_name)  # a clear error for an unbound name, before axis_index
+        total, sent = _reduce(codec, flat, axis_name, algorithm, _device_key(codec, key, axis_name))
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape))
 
 
@@ -284,13 +272,13 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
     if axis_size == 1:
         return {}
     c = -(-n // axis_size) if n else 0
-    chunk = _payload_nbytes(codec, c, dtype)
+    chunk = codec.wire_nbytes((c,), dtype)
     if algorithm == "hierarchical":
         raise ValueError(
             "operand_nbytes: the hierarchical algorithm has two axes; not supported here"
         )
     if algorithm == "allgather":
-        return {"all-gather": _payload_nbytes(codec, n, dtype)}
+        return {"all-gather": codec.wire_nbytes((n,), dtype)}
     if algorithm == "two_phase":
         return {"all-to-all": axis_size * chunk, "all-gather": chunk}
     if algorithm == "ring":
