@@ -4,6 +4,7 @@
 // It is a separate, host-compiled file so that nanobind is built by the
 // compiler it targets rather than by nvcc's front end.
 #include "nanobind/nanobind.h"
+#include "jaxcomp/handlers.h"
 #include "xla/ffi/api/api.h"
 
 namespace nb = nanobind;
@@ -41,6 +42,9 @@ NB_MODULE(_jaxcomp_cuda, m) {
     d["jaxcomp_terngrad_decode"] = capsule(JaxcompCudaTerngradDecode);
     d["jaxcomp_natural_encode"] = capsule(JaxcompCudaNaturalEncode);
     d["jaxcomp_natural_decode"] = capsule(JaxcompCudaNaturalDecode);
+    for (auto list : {jaxcomp::threelc_cuda_handlers(), jaxcomp::topk_cuda_handlers()}) {
+      for (const jaxcomp::HandlerEntry& e : list) d[e.name] = nb::capsule(e.handler);
+    }
     return d;
   });
 }

@@ -1,0 +1,5 @@
+#include "cpu_runtime.h"
+
+namespace jaxcomp {
+std::vector<HandlerEntry> threelc_cpu_handlers() { return {}; }
+}  // namespace jaxcomp
