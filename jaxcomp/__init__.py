@@ -1,6 +1,6 @@
 """jaxcomp: compressed gradient communication for data-parallel JAX training."""
 
-from jaxcomp import codecs, collectives, ops, wire
+from jaxcomp import codecs, collectives, ops, optax, wire
 from jaxcomp._ffi import cpu_available, cuda_available
 from jaxcomp.collectives import Reduced, pmean, psum
 from jaxcomp.errors import WireFormatError
@@ -17,6 +17,7 @@ __all__ = [
     "cpu_available",
     "cuda_available",
     "ops",
+    "optax",
     "pmean",
     "psum",
     "wire",

@@ -25,6 +25,16 @@ def test_collectives_doc_example_runs():
     assert scope["mean"].shape == (4096,) and scope["sent"].shape == (8, 4096)
 
 
+def test_training_doc_example_runs():
+    doc = README.parent / "docs" / "training.md"
+    block = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
+    scope: dict = {}
+    exec(compile(block, str(doc), "exec"), scope)
+    stats = scope["stats"]
+    assert int(stats["step"]) == 20 and float(stats["compression_ratio"]) > 4
+    assert float(scope["loss"]) < 0.2
+
+
 def test_ci_runs_the_readme_test_command():
     text = README.read_text()
     commands = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)

@@ -1,0 +1,172 @@
+"""The fusion plan: which leaves are compressed with which codec, and how
+they are packed into a few fused buckets.
+
+The plan depends only on the tree structure, shapes and dtypes of the
+gradients (and the policy), so it is static: computed at trace time, the same
+in ``init`` and ``update``. Grouping small tensors into one buffer before a
+collective is Horovod's tensor fusion and PyTorch DDP's gradient buckets;
+leaving the small tensors (biases, norms) uncompressed follows the
+low-precision study (Grubic et al. 2018, section 3) and 3LC (section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomp.codecs.base import SUPPORTED_DTYPES, Codec
+
+Policy = Codec | Callable[[tuple, Any], Codec | None] | Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Bucket:
+    """A fused buffer of leaves sharing one codec and one dtype.
+
+    Attributes:
+      codec: the codec of every leaf in the bucket.
+      dtype: the leaves' dtype (the buffer is encoded in it).
+      leaves: indices (in tree-flatten order) of the leaves, in buffer order.
+      sizes: the number of elements of each leaf.
+    """
+
+    codec: Codec
+    dtype: np.dtype
+    leaves: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    @property
+    def size(self) -> int:
+        return int(sum(self.sizes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static description of one step's communication.
+
+    Attributes:
+      treedef: the gradients' tree structure.
+      shapes, dtypes: of every leaf, in flatten order.
+      buckets: the compressed buckets.
+      exact: per dtype, the leaves averaged with one uncompressed ``lax.pmean``.
+      passthrough: leaves returned as they are (float0 gradients of integer
+        parameters carry nothing).
+    """
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    buckets: tuple[Bucket, ...]
+    exact: tuple[tuple[np.dtype, tuple[int, ...]], ...]
+    passthrough: tuple[int, ...]
+
+    @property
+    def num_elements(self) -> int:
+        return int(sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes))
+
+
+def _is_codec_leaf(x) -> bool:
+    return x is None or isinstance(x, Codec)
+
+
+def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
+    """The codec (or None) of every leaf of ``tree``, in flatten order."""
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    if isinstance(policy, Codec):
+        return [policy] * len(leaves_with_path)
+    if policy is None:
+        return [None] * len(leaves_with_path)
+    if callable(policy) and not isinstance(policy, (dict, list, tuple)):
+        out = []
+        for path, leaf in leaves_with_path:
+            c = policy(path, leaf)
+            if c is not None and not isinstance(c, Codec):
+                raise TypeError(
+                    "jc.optax.compress_gradients: the codec policy must return a jaxcomp codec "
+                    f"or None; for {jax.tree_util.keystr(path)} it returned {type(c).__name__}"
+                )
+            out.append(c)
+        return out
+    codecs, cdef = jax.tree.flatten(policy, is_leaf=_is_codec_leaf)
+    if cdef != treedef:
+        raise ValueError(
+            "jc.optax.compress_gradients: the codec pytree does not match the gradients. "
+            "Give one codec (or None, for uncompressed) per gradient leaf, in a pytree of the "
+            f"same structure as the parameters.\n  codecs:    {cdef}\n  gradients: {treedef}"
+        )
+    for c in codecs:
+        if c is not None and not isinstance(c, Codec):
+            raise TypeError(
+                "jc.optax.compress_gradients: the codec pytree's leaves must be jaxcomp codecs "
+                f"or None, got {type(c).__name__}"
+            )
+    return codecs
+
+
+def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int) -> Plan:
+    """Builds the plan for gradients shaped like ``tree`` (arrays or
+    ShapeDtypeStructs)."""
+    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    codecs = _leaf_codecs(policy, tree)
+    shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves_with_path)
+    dtypes = tuple(np.dtype(leaf.dtype) for _, leaf in leaves_with_path)
+
+    groups: dict[tuple[Codec, np.dtype], list[list[int]]] = {}
+    order: list[tuple[Codec, np.dtype]] = []
+    exact: dict[np.dtype, list[int]] = {}
+    passthrough: list[int] = []
+    for i, ((path, _), codec, shape, dtype) in enumerate(
+        zip(leaves_with_path, codecs, shapes, dtypes, strict=True)
+    ):
+        size = int(np.prod(shape, dtype=np.int64))
+        if dtype == np.dtype(jax.dtypes.float0):
+            passthrough.append(i)
+            continue
+        if codec is None or size < min_compress_size:
+            if not (
+                jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
+            ):
+                raise TypeError(
+                    f"jc.optax.compress_gradients: gradient {jax.tree_util.keystr(path)} has "
+                    f"dtype {dtype.name}; only floating-point gradients can be averaged"
+                )
+            exact.setdefault(dtype, []).append(i)
+            continue
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"jc.optax.compress_gradients: {codec!r} cannot carry gradient "
+                f"{jax.tree_util.keystr(path)} of dtype {dtype.name} (codecs take float32, "
+                "bfloat16 or float16); give that leaf the codec None in a policy "
+                "(a callable (path, leaf) -> codec | None, or a pytree of codecs) to send it "
+                "uncompressed"
+            )
+        k = (codec, dtype)
+        if k not in groups:
+            groups[k] = [[]]
+            order.append(k)
+        current = groups[k][-1]
+        nbytes = sum(int(np.prod(shapes[j], dtype=np.int64)) for j in current) * dtype.itemsize
+        if current and nbytes + size * dtype.itemsize > fusion_bytes:
+            groups[k].append([i])
+        else:
+            current.append(i)
+
+    buckets = []
+    for k in order:
+        for members in groups[k]:
+            sizes = tuple(int(np.prod(shapes[j], dtype=np.int64)) for j in members)
+            buckets.append(Bucket(k[0], k[1], tuple(members), sizes))
+    buckets.sort(key=lambda b: b.leaves[0])
+    return Plan(
+        treedef,
+        shapes,
+        dtypes,
+        tuple(buckets),
+        tuple((d, tuple(ix)) for d, ix in exact.items()),
+        tuple(passthrough),
+    )

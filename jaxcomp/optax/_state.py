@@ -1,0 +1,117 @@
+"""Where the per-device parts of an optimizer state live: telemetry lookup,
+PartitionSpecs for ``jax.shard_map``, and initialization on a mesh."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jaxcomp.optax._transform import CompressState
+
+
+def _is_compress(x) -> bool:
+    return isinstance(x, CompressState)
+
+
+def _find(opt_state) -> list[CompressState]:
+    return [s for s in jax.tree.leaves(opt_state, is_leaf=_is_compress) if _is_compress(s)]
+
+
+def telemetry(opt_state) -> dict[str, jax.Array]:
+    """The last step's telemetry of the ``compress_gradients`` state found
+    anywhere inside ``opt_state`` (a chain, ``inject_hyperparams``,
+    ``MultiSteps``, ...; the first one if there are several).
+
+    Returns:
+      ``{"step", "bits_per_element", "wire_bytes", "compression_ratio",
+      "residual_norm"}``: scalars for a shard_map state, arrays with the
+      leading device axis for a pmap state (the same value on every device).
+    """
+    found = _find(opt_state)
+    if not found:
+        raise ValueError(
+            "jc.optax.telemetry: no jc.optax.compress_gradients state inside this optimizer "
+            "state; pass the whole opt_state of a chain that contains compress_gradients"
+        )
+    s = found[0]
+    return {"step": s.step, **s.telemetry._asdict()}
+
+
+def _spec(axis_name):
+    return P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
+
+
+def state_specs(opt_state, axis_name) -> Any:
+    """PartitionSpecs for an optimizer state under ``jax.shard_map``.
+
+    Per-device leaves get ``P(axis_name)`` (sharded along the data axis, one
+    row per device), everything else ``P()`` (replicated). Per-device are:
+    the residuals of every :class:`CompressState`, and the accumulated
+    gradients of an ``optax.MultiSteps`` whose inner state holds a
+    ``compress_gradients`` state (they are summed before the compressed
+    all-reduce, so they differ per device; they are stored concatenated
+    along their first axis).
+
+    Args:
+      opt_state: the optimizer state, or its ``jax.eval_shape``.
+      axis_name: the data-parallel mesh axis (or the pair of hierarchical axes).
+    Returns:
+      A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
+      ``in_specs`` / ``out_specs`` of ``jax.shard_map``.
+    """
+    spec = _spec(axis_name)
+
+    def is_node(x):
+        return _is_compress(x) or isinstance(x, optax.MultiStepsState)
+
+    def walk(x):
+        if isinstance(x, CompressState):
+            rep = jax.tree.map(lambda _: P(), x)
+            return rep._replace(residuals=tuple(spec for _ in x.residuals))
+        if isinstance(x, optax.MultiStepsState):
+            inner = jax.tree.map(walk, x.inner_opt_state, is_leaf=is_node)
+            rest = jax.tree.map(lambda _: P(), x._replace(inner_opt_state=None))
+            if _find(x.inner_opt_state):
+
+                def acc_spec(a):
+                    if not jnp.ndim(a):
+                        raise ValueError(
+                            "jc.optax.state_specs: optax.MultiSteps accumulates a scalar "
+                            "gradient per device, which cannot be stored sharded; give that "
+                            "parameter a leading axis of size 1"
+                        )
+                    return spec
+
+                rest = rest._replace(acc_grads=jax.tree.map(acc_spec, x.acc_grads))
+            return rest._replace(inner_opt_state=inner)
+        return P()
+
+    return jax.tree.map(walk, opt_state, is_leaf=is_node)
+
+
+def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name) -> Any:
+    """``tx.init(params)`` on every device of ``mesh``, laid out for
+    ``jax.shard_map`` with :func:`state_specs`: per-device leaves sharded
+    along ``axis_name``, the rest replicated.
+
+    Args:
+      tx: the optimizer (a chain containing ``compress_gradients``).
+      params: the (replicated) parameters.
+      mesh: the device mesh of the train step.
+      axis_name: its data-parallel axis.
+    Returns:
+      The optimizer state, global arrays on ``mesh``.
+    """
+    specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
+    f = jax.shard_map(
+        tx.init,
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(), params),),
+        out_specs=specs,
+        check_vma=False,
+    )
+    return jax.jit(f)(params)
