@@ -93,6 +93,20 @@ def test_int8_allgather_within_half_a_step_per_device(mesh, alg):
     )
 
 
+@pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.parametrize("codec", [CODECS[3], CODECS[5]], ids=repr)
+def test_pmean_value_is_the_mean_and_sent_conserves(mesh, codec, alg):
+    """pmean divides before the last compression; sent stays in units of the
+    sum, so what the devices sent adds up to P times the mean."""
+    x = jax.random.normal(jax.random.key(7), (N_DEV, 1001))
+    _, (v, s) = _run(mesh, codec, alg, x, fn=jcc.pmean)
+    v, s = np.asarray(v, np.float64), np.asarray(s, np.float64)
+    assert np.all(v == v[0])
+    np.testing.assert_allclose(s.sum(0), N_DEV * v[0], rtol=1e-5, atol=1e-5)
+    exact = np.asarray(x, np.float64).mean(0)
+    assert np.linalg.norm(v[0] - exact) <= REL_ERR[codec.name] * np.linalg.norm(exact)
+
+
 def test_pmean_is_psum_over_size(mesh):
     codec = jc.codecs.Int8(bucket_size=64)
     x = jax.random.normal(jax.random.key(2), (N_DEV, 300))
@@ -113,7 +127,7 @@ def test_stochastic_codecs_use_a_key_per_device(mesh):
 
 def _collective_bytes(hlo: str, group: int) -> dict[str, int]:
     """Operand bytes per collective kind, from the result shapes in the HLO."""
-    sizes = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "s8": 1, "s32": 4, "u32": 4}
+    sizes = {"f32": 4, "bf16": 2, "f16": 2, "u16": 2, "u8": 1, "s8": 1, "s32": 4, "u32": 4}
     out: dict[str, int] = {}
     for line in hlo.splitlines():
         m = re.search(r"=\s*(.*?)\s+(all-gather|all-to-all|collective-permute)\(", line)
@@ -133,7 +147,13 @@ def _collective_bytes(hlo: str, group: int) -> dict[str, int]:
 @pytest.mark.parametrize("alg", ALGS)
 @pytest.mark.parametrize(
     "codec",
-    [jc.codecs.QSGD(bits=4, bucket_size=512), jc.codecs.Int8(), jc.codecs.OneBit()],
+    [
+        jc.codecs.QSGD(bits=4, bucket_size=512),
+        jc.codecs.Int8(),
+        jc.codecs.OneBit(),
+        jc.codecs.Natural(),
+        jc.codecs.Cast("bfloat16"),  # 16-bit floats must not be widened by the backend
+    ],
     ids=repr,
 )
 def test_bytes_on_the_wire_match_the_accounting(mesh, codec, alg):

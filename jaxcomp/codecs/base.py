@@ -103,6 +103,14 @@ class Codec:
         """The configuration as integers, for the wire header."""
         raise NotImplementedError
 
+    def split_granularity(self) -> int | None:
+        """``g`` such that the payload of ``k * g`` values is, array by array,
+        the concatenation of the payloads of its ``k`` consecutive chunks of
+        ``g`` values (so a payload can be cut into per-chunk payloads by
+        reshaping, and stacked payloads decoded as one). None where no such
+        ``g`` exists (a whole-tensor packing or scale)."""
+        return None
+
     @classmethod
     def from_wire_params(cls, params: tuple[int, ...]) -> Codec:
         raise NotImplementedError

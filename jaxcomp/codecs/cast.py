@@ -41,6 +41,9 @@ class Cast(Codec):
             raise ValueError(f"Cast: dtype must be one of {_TARGETS}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", value)
 
+    def split_granularity(self):
+        return 1  # independent values
+
     def layout(self, shape, dtype=jnp.float32):
         n = int(np.prod(shape, dtype=np.int64))
         return {"values": jax.ShapeDtypeStruct((n,), jnp.dtype(self.dtype))}

@@ -21,6 +21,9 @@ class Identity(Codec):
     name: ClassVar[str] = "identity"
     codec_id: ClassVar[int] = 0
 
+    def split_granularity(self):
+        return 1  # independent values
+
     def layout(self, shape, dtype=jnp.float32):
         n = int(np.prod(shape, dtype=np.int64))
         return {"values": jax.ShapeDtypeStruct((n,), jnp.dtype(dtype))}

@@ -37,6 +37,9 @@ class Int8(BucketSizeWire, Codec):
     def __post_init__(self):
         check_bucket_size("Int8", self.bucket_size)
 
+    def split_granularity(self):
+        return self.bucket_size  # independent buckets
+
     def layout(self, shape, dtype=jnp.float32):
         nb = bk.num_buckets(int(np.prod(shape, dtype=np.int64)), self.bucket_size)
         return {

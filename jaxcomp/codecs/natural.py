@@ -49,6 +49,9 @@ class Natural(Codec):
             raise ValueError(f"Natural: stochastic must be True or False, got {self.stochastic!r}")
         check_bucket_size("Natural", self.bucket_size)
 
+    def split_granularity(self):
+        return self.bucket_size  # independent buckets
+
     def layout(self, shape, dtype=jnp.float32):
         n = int(np.prod(shape, dtype=np.int64))
         return {

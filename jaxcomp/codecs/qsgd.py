@@ -58,6 +58,9 @@ class QSGD(Codec):
     def levels(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
+    def split_granularity(self):
+        return self.bucket_size  # independent buckets
+
     def layout(self, shape, dtype=jnp.float32):
         nb = bk.num_buckets(int(np.prod(shape, dtype=np.int64)), self.bucket_size)
         return {

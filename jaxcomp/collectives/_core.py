@@ -80,42 +80,107 @@ def _chunked(flat: jax.Array, parts: int) -> tuple[jax.Array, int]:
     return jnp.pad(flat, (0, parts * c - flat.size)).reshape(parts, c), c
 
 
+def _as_bits(a: jax.Array) -> jax.Array:
+    # XLA's CPU backend widens 16-bit float collectives to float32 (twice the
+    # bytes, plus conversion passes); payloads travel as their bit patterns.
+    if a.dtype in (jnp.bfloat16, jnp.float16):
+        return lax.bitcast_convert_type(a, jnp.uint16)
+    return a
+
+
+def _exchange(op, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Applies a collective to every payload array, moving raw bits."""
+    out = {}
+    for k, a in arrays.items():
+        b = op(_as_bits(a))
+        out[k] = b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
+    return out
+
+
+def _chunk_len(codec: Codec, n: int, parts: int) -> int:
+    """Elements per chunk when ``n`` values are split over ``parts`` devices:
+    ceil(n / parts), rounded up to the codec's split granularity, so that one
+    encoding of the whole padded tensor splits into per-chunk payloads."""
+    c = -(-n // parts) if n else 0
+    g = codec.split_granularity()
+    return -(-c // g) * g if g else c
+
+
+def _padded(flat: jax.Array, total: int) -> jax.Array:
+    return flat if flat.size == total else jnp.pad(flat, (0, total - flat.size))
+
+
+def _split(arrays: dict[str, jax.Array], parts: int) -> dict[str, jax.Array]:
+    """One payload's arrays as ``parts`` stacked payloads (leading axis)."""
+    return {k: a.reshape(parts, a.shape[0] // parts, *a.shape[1:]) for k, a in arrays.items()}
+
+
+def _join(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Stacked payloads (leading axis) as the arrays of one payload."""
+    return {k: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for k, a in arrays.items()}
+
+
+def _decode_rows(codec: Codec, arrays: dict[str, jax.Array], n: int, dtype) -> jax.Array:
+    """Decodes stacked payloads of ``n`` values each into float32 [stack, n]:
+    one decode of the joined payload where the codec splits at ``n``, else
+    one decode per payload."""
+    g = codec.split_granularity()
+    if g and n % g == 0:
+        rows = next(iter(arrays.values())).shape[0]
+        joined = Payload(codec, (rows * n,), dtype, _join(arrays))
+        return codec.decode(joined).astype(jnp.float32).reshape(rows, n)
+    return _decode_all(codec, arrays, n, dtype)
+
+
 # ---------------------------------------------------------------------------
 # Algorithms. Each takes the flat input and returns (sum float32, sent float32).
 # ---------------------------------------------------------------------------
-def _allgather(codec, flat, axis_name, size, key):
+def _allgather(codec, flat, axis_name, size, key, div):
     p = codec.encode(flat, key)
-    gathered = {k: lax.all_gather(a, axis_name) for k, a in p.arrays.items()}
-    total = _ordered_sum(_decode_all(codec, gathered, flat.size, flat.dtype))
+    gathered = _exchange(lambda a: lax.all_gather(a, axis_name), p.arrays)
+    total = _ordered_sum(_decode_rows(codec, gathered, flat.size, flat.dtype))
     sent = codec.decode(p).astype(jnp.float32)
-    return total, sent
+    return (total if div == 1 else total / div), sent
 
 
-def _two_phase(codec, flat, axis_name, size, key):
+def _two_phase(codec, flat, axis_name, size, key, div):
     """Reduce-scatter of compressed chunks (all_to_all), then an allgather of
     the re-compressed reduced chunks: DeepSpeed's compressed allreduce, and
     the reduce-and-broadcast of the low-precision study (section 2.4.1)."""
     me = lax.axis_index(axis_name)
-    chunks, c = _chunked(flat, size)
-    if key is None:
-        payloads = jax.vmap(lambda x: codec.encode(x).arrays)(chunks)
+    n, dtype = flat.size, flat.dtype
+    if codec.split_granularity():
+        # One encoding of the whole tensor, cut into per-owner payloads.
+        c = _chunk_len(codec, n, size)
+        p = codec.encode(_padded(flat, size * c), key)
+        payloads = _split(p.arrays, size)
+        stage1 = codec.decode(p).astype(jnp.float32)  # my chunks as their owners see them
     else:
-        keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
-        payloads = jax.vmap(lambda x, k: codec.encode(x, k).arrays)(chunks, keys)
-    stage1 = _decode_all(codec, payloads, c, flat.dtype)  # [P, c]: my chunks as the owners see them
-    received = {k: lax.all_to_all(a, axis_name, 0, 0) for k, a in payloads.items()}
-    mine = _ordered_sum(_decode_all(codec, received, c, flat.dtype))  # my chunk, reduced
-    p2 = codec.encode(mine.astype(flat.dtype), _fold(key, size))
+        chunks, c = _chunked(flat, size)
+        if key is None:
+            payloads = jax.vmap(lambda x: codec.encode(x).arrays)(chunks)
+        else:
+            keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
+            payloads = jax.vmap(lambda x, k: codec.encode(x, k).arrays)(chunks, keys)
+        stage1 = _decode_all(codec, payloads, c, dtype).reshape(-1)
+    received = _exchange(lambda a: lax.all_to_all(a, axis_name, 0, 0), payloads)
+    mine = _ordered_sum(_decode_rows(codec, received, c, dtype))  # my chunk, summed
+    target = mine if div == 1 else mine / div
+    p2 = codec.encode(target.astype(dtype), _fold(key, size))
     final_mine = codec.decode(p2).astype(jnp.float32)
-    gathered = {k: lax.all_gather(a, axis_name) for k, a in p2.arrays.items()}
-    total = _decode_all(codec, gathered, c, flat.dtype).reshape(-1)[: flat.size]
-    # Error feedback: the second stage's error on my chunk is mine to carry.
-    correction = jnp.zeros_like(stage1).at[me].set(final_mine - mine)
-    sent = (stage1 + correction).reshape(-1)[: flat.size]
-    return total, sent
+    gathered = _exchange(lambda a: lax.all_gather(a, axis_name), p2.arrays)
+    total = _decode_rows(codec, gathered, c, dtype).reshape(-1)[:n]
+    # Error feedback: the second stage's error on my chunk (in units of the
+    # sum) is mine to carry.
+    error = final_mine - mine if div == 1 else final_mine * div - mine
+    start = me * c
+    sent = lax.dynamic_update_slice(
+        stage1, lax.dynamic_slice(stage1, (start,), (c,)) + error, (start,)
+    )
+    return total, sent[:n]
 
 
-def _ring(codec, flat, axis_name, size, key):
+def _ring(codec, flat, axis_name, size, key, div):
     """The ring all-reduce of Gibiansky's "Bringing HPC techniques to deep
     learning": P-1 scatter-reduce steps, then P-1 allgather steps, with
     ppermute to the next device; each hop's chunk is compressed. In the
@@ -135,7 +200,7 @@ def _ring(codec, flat, axis_name, size, key):
         sent = lax.dynamic_update_index_in_dim(
             sent, lax.dynamic_index_in_dim(sent, j, keepdims=False) + (hat - partial), j, 0
         )
-        recv = {k: lax.ppermute(a, axis_name, perm) for k, a in p.arrays.items()}
+        recv = _exchange(lambda a: lax.ppermute(a, axis_name, perm), p.arrays)
         r = (me - 1 - s) % size  # chunk I receive
         got = codec.decode(Payload(codec, (c,), flat.dtype, recv)).astype(jnp.float32)
         acc = lax.dynamic_update_index_in_dim(
@@ -143,15 +208,17 @@ def _ring(codec, flat, axis_name, size, key):
         )
     own = (me + 1) % size
     reduced = lax.dynamic_index_in_dim(acc, own, keepdims=False)
-    p = codec.encode(reduced.astype(flat.dtype), _fold(key, size))
+    target = reduced if div == 1 else reduced / div
+    p = codec.encode(target.astype(flat.dtype), _fold(key, size))
     hat = codec.decode(p).astype(jnp.float32)
+    error = hat - reduced if div == 1 else hat * div - reduced
     sent = lax.dynamic_update_index_in_dim(
-        sent, lax.dynamic_index_in_dim(sent, own, keepdims=False) + (hat - reduced), own, 0
+        sent, lax.dynamic_index_in_dim(sent, own, keepdims=False) + error, own, 0
     )
     out = lax.dynamic_update_index_in_dim(jnp.zeros_like(acc), hat, own, 0)
     arrays = p.arrays
     for s in range(size - 1):
-        arrays = {k: lax.ppermute(a, axis_name, perm) for k, a in arrays.items()}
+        arrays = _exchange(lambda a: lax.ppermute(a, axis_name, perm), arrays)
         r = (me - s) % size  # the owner of this payload is me - 1 - s; it owns chunk me - s
         got = codec.decode(Payload(codec, (c,), flat.dtype, arrays)).astype(jnp.float32)
         out = lax.dynamic_update_index_in_dim(out, got, r, 0)
@@ -161,19 +228,27 @@ def _ring(codec, flat, axis_name, size, key):
 _IMPLS = {"allgather": _allgather, "two_phase": _two_phase, "ring": _ring}
 
 
-def _reduce(codec, flat, axis_name, algorithm, key):
-    """(sum float32, sent float32) of ``flat`` over one axis; ``algorithm``
-    may be "auto". One device: encode and decode locally."""
+def _reduce(codec, flat, axis_name, algorithm, key, div=1):
+    """(sum / div float32, sent float32) of ``flat`` over one axis;
+    ``algorithm`` may be "auto". One device: encode and decode locally.
+
+    ``div`` (pmean) is applied before the last compression, where the
+    algorithm has one, so the mean costs no extra pass; ``sent`` stays in
+    units of the sum."""
     size = _axis_size(axis_name)
     if size == 1:
-        sent = codec.decode(codec.encode(flat, key)).astype(jnp.float32)
-        return sent, sent
+        if div == 1:
+            sent = codec.decode(codec.encode(flat, key)).astype(jnp.float32)
+            return sent, sent
+        hat = codec.decode(codec.encode((flat.astype(jnp.float32) / div).astype(flat.dtype), key))
+        hat = hat.astype(jnp.float32)
+        return hat, hat * div
     if algorithm == "auto":
         algorithm = choose_algorithm(codec, flat.size, size)
-    return _IMPLS[algorithm](codec, flat, axis_name, size, key)
+    return _IMPLS[algorithm](codec, flat, axis_name, size, key, div)
 
 
-def _hierarchical(codec, flat, slow, fast, key):
+def _hierarchical(codec, flat, slow, fast, key, div=1):
     """Full precision over the fast axis, compression only over the slow one:
     reduce-scatter over ``fast`` (``psum_scatter``), a compressed all-reduce
     of this device's chunk over ``slow`` (by the ``auto`` rule), then an
@@ -181,7 +256,7 @@ def _hierarchical(codec, flat, slow, fast, key):
     the device that owns the chunk within its node."""
     chunks, _ = _chunked(flat.astype(jnp.float32), _axis_size(fast))
     mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[0]  # summed over fast
-    reduced, sent_mine = _reduce(codec, mine.astype(flat.dtype), slow, "auto", key)
+    reduced, sent_mine = _reduce(codec, mine.astype(flat.dtype), slow, "auto", key, div)
     total = lax.all_gather(reduced, fast, tiled=True)[: flat.size]
     error = jnp.zeros_like(chunks).at[lax.axis_index(fast)].set(sent_mine - mine)
     return total, (chunks + error).reshape(-1)[: flat.size]
@@ -202,29 +277,7 @@ def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     return "two_phase"
 
 
-def psum(
-    x: jax.Array,
-    axis_name,
-    codec: Codec,
-    *,
-    key: jax.Array | None = None,
-    algorithm: str = "auto",
-) -> Reduced:
-    """Compressed sum of ``x`` over the mesh axis ``axis_name``.
-
-    Call inside ``jax.shard_map`` (or ``jax.pmap``).
-
-    Args:
-      x: this device's tensor (float32, bfloat16 or float16, any shape).
-      axis_name: the mesh axis to reduce over.
-      codec: a :mod:`jaxcomp.codecs` codec.
-      key: a PRNG key, required by stochastic codecs; it is folded with the
-        device index, so pass the same key on every device.
-      algorithm: "auto" (see :func:`choose_algorithm`), "allgather",
-        "two_phase" or "ring".
-    Returns:
-      :class:`Reduced` (value, sent).
-    """
+def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool) -> Reduced:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"jc.psum: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     if not isinstance(codec, Codec):
@@ -239,27 +292,56 @@ def psum(
                 f"axis_name={axis_name!r}, algorithm={algorithm!r}"
             )
         slow, fast = axis_name
-        for name in axis_name:  # a clear error for an unbound name, before axis_index
-            _axis_size(name)
-        total, sent = _hierarchical(codec, flat, slow, fast, _device_key(codec, key, axis_name))
+        sizes = [_axis_size(name) for name in axis_name]  # clear error for an unbound name
+        div = int(np.prod(sizes)) if mean else 1
+        key = _device_key(codec, key, axis_name)
+        total, sent = _hierarchical(codec, flat, slow, fast, key, div)
     elif algorithm == "hierarchical":
         raise ValueError(
             "jc.psum: algorithm='hierarchical' needs axis_name=(slow_axis, fast_axis), "
             "e.g. ('node', 'local')"
         )
     else:
-        _axis_size(axis_name)  # a clear error for an unbound name, before axis_index
-        total, sent = _reduce(codec, flat, axis_name, algorithm, _device_key(codec, key, axis_name))
+        size = _axis_size(axis_name)  # a clear error for an unbound name
+        div = size if mean else 1
+        key = _device_key(codec, key, axis_name)
+        total, sent = _reduce(codec, flat, axis_name, algorithm, key, div)
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape))
 
 
+def psum(
+    x: jax.Array,
+    axis_name,
+    codec: Codec,
+    *,
+    key: jax.Array | None = None,
+    algorithm: str = "auto",
+) -> Reduced:
+    """Compressed sum of ``x`` over the mesh axis ``axis_name``.
+
+    Call inside ``jax.shard_map`` (or ``jax.pmap``).
+
+    Args:
+      x: this device's tensor (float32, bfloat16 or float16, any shape).
+      axis_name: the mesh axis to reduce over, or ``(slow, fast)`` axes for
+        the hierarchical algorithm.
+      codec: a :mod:`jaxcomp.codecs` codec.
+      key: a PRNG key, required by stochastic codecs; it is folded with the
+        device index, so pass the same key on every device.
+      algorithm: "auto" (see :func:`choose_algorithm`), "allgather",
+        "two_phase", "ring" or "hierarchical".
+    Returns:
+      :class:`Reduced` (value, sent).
+    """
+    return _all_reduce(x, axis_name, codec, key, algorithm, mean=False)
+
+
 def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto") -> Reduced:
-    """Compressed mean over ``axis_name``: :func:`psum`'s value divided by the
-    axis size (``sent`` is unchanged: this device's compressed contribution)."""
-    r = psum(x, axis_name, codec, key=key, algorithm=algorithm)
-    names = axis_name if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    size = int(np.prod([_axis_size(a) for a in names]))
-    return Reduced((r.value.astype(jnp.float32) / size).astype(r.value.dtype), r.sent)
+    """Compressed mean over ``axis_name``: like :func:`psum`, with the sum
+    divided by the number of devices before its last compression (so the
+    mean costs no extra pass). ``sent`` is, as in :func:`psum`, this device's
+    compressed contribution to the sum."""
+    return _all_reduce(x, axis_name, codec, key, algorithm, mean=True)
 
 
 def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -> dict[str, int]:
@@ -272,6 +354,8 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
     if axis_size == 1:
         return {}
     c = -(-n // axis_size) if n else 0
+    if algorithm == "two_phase":
+        c = _chunk_len(codec, n, axis_size)
     chunk = codec.wire_nbytes((c,), dtype)
     if algorithm == "hierarchical":
         raise ValueError(
