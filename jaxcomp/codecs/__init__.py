@@ -11,6 +11,8 @@ from jaxcomp.codecs.natural import Natural
 from jaxcomp.codecs.onebit import OneBit
 from jaxcomp.codecs.qsgd import QSGD
 from jaxcomp.codecs.terngrad import TernGrad
+from jaxcomp.codecs.threelc import ThreeLC
+from jaxcomp.codecs.topk import TopK
 
 __all__ = [
     "QSGD",
@@ -21,6 +23,8 @@ __all__ = [
     "Natural",
     "OneBit",
     "TernGrad",
+    "ThreeLC",
+    "TopK",
     "get",
     "names",
 ]
