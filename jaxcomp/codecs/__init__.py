@@ -12,7 +12,6 @@ from jaxcomp.codecs.onebit import OneBit
 from jaxcomp.codecs.qsgd import QSGD
 from jaxcomp.codecs.terngrad import TernGrad
 from jaxcomp.codecs.threelc import ThreeLC
-from jaxcomp.codecs.topk import TopK
 
 __all__ = [
     "QSGD",
@@ -24,7 +23,6 @@ __all__ = [
     "OneBit",
     "TernGrad",
     "ThreeLC",
-    "TopK",
     "get",
     "names",
 ]
