@@ -1,5 +1,426 @@
+// 3LC on CUDA (Lim, Andersen, Kaminsky, SysML 2019, section 3): the FFI
+// targets jaxcomp_threelc_encode and jaxcomp_threelc_decode, with the buffers,
+// checks and bytes of ffi/threelc_ops.cc. Bodies in
+// ffi/include/jaxcomp/threelc.h; twin in jaxcomp/ops/threelc.py.
+//
+// Everything stays on the device and on XLA's stream; nothing synchronizes.
+// The work buffer (an extra output the Python side drops) holds the base-3^5
+// bytes, a few control words and per-block counters.
+//
+// Encode: max|x| by atomicMax on abs bits; pack; then zero-run encoding by
+// blocks of kBlockBytes base-3^5 bytes:
+//   last_nz   per block, the last byte that is not 121;
+//   scan      (one block) exclusive max over blocks: where the run that
+//             enters each block started;
+//   count     per block, the output bytes of its literals and chunk heads (a
+//             121 at run position p is a chunk head when p % 14 == 0);
+//   scan      (one block) exclusive sum: each block's output offset, total;
+//   write     per block, every emitted byte at its offset (bytes at or past
+//             the capacity dropped); a chunk head looks ahead at most 14
+//             bytes for its length.
+// Decode: per block of stream bytes, expanded size and canonical pairs;
+// (one block) exclusive sum and the header checks; expand; dequantize. A
+// corrupted stream cannot raise without a synchronization here: it decodes to
+// NaN everywhere, as the twin does (the CPU handler raises instead).
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
 #include "cuda_runtime.cuh"
+#include "jaxcomp/threelc.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
 
 namespace jaxcomp {
-std::vector<HandlerEntry> threelc_cuda_handlers() { return {}; }
+namespace cuda {
+namespace {
+
+// Must match BLOCK_BYTES in jaxcomp/ops/threelc.py (it sizes the work buffer).
+constexpr int64_t kBlockBytes = 4096;
+constexpr int kPerThread = static_cast<int>(kBlockBytes / kThreads);  // 16
+constexpr int kCtrlWords = 8;
+
+// Control words: [0] max abs bits, [1] decode status (0 ok, else NaN output).
+struct Work {
+  uint8_t* bytes;    // M base-3^5 bytes
+  uint32_t* ctrl;    // kCtrlWords
+  int64_t* a;        // per-block counters
+  int64_t* b;
+  int64_t blocks;
+};
+
+inline int64_t blocks_for(int64_t bytes) { return (bytes + kBlockBytes - 1) / kBlockBytes; }
+
+inline int64_t work_bytes_needed(int64_t M, int64_t blocks) {
+  return ((M + 7) / 8) * 8 + 4 * kCtrlWords + 2 * 8 * blocks;
+}
+
+inline Work carve(uint8_t* base, int64_t M, int64_t blocks) {
+  Work w;
+  w.bytes = base;
+  uint8_t* p = base + ((M + 7) / 8) * 8;
+  w.ctrl = reinterpret_cast<uint32_t*>(p);
+  w.a = reinterpret_cast<int64_t*>(p + 4 * kCtrlWords);
+  w.b = w.a + blocks;
+  w.blocks = blocks;
+  return w;
+}
+
+inline unsigned grid(int64_t blocks) { return static_cast<unsigned>(blocks < 1 ? 1 : blocks); }
+
+unsigned items(int64_t count) {
+  constexpr int64_t kMaxBlocks = 8192;
+  const int64_t b = (count + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(b < 1 ? 1 : (b < kMaxBlocks ? b : kMaxBlocks));
+}
+
+struct PlusI64 {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a + b; }
+};
+
+struct MaxI64 {
+  __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a > b ? a : b; }
+};
+
+using Scan = cub::BlockScan<int64_t, kThreads>;
+using Reduce = cub::BlockReduce<int64_t, kThreads>;
+
+// ---------------------------------------------------------------------------
+// Encode kernels
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kThreads) max_kernel(const T* __restrict__ x, int64_t n, uint32_t* ctrl) {
+  uint32_t m = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const uint32_t a = abs_bits(to_f32(x[i]));
+    m = a > m ? a : m;
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    const uint32_t o = __shfl_down_sync(0xffffffffu, m, off);
+    m = o > m ? o : m;
+  }
+  if ((threadIdx.x & 31) == 0) atomicMax(&ctrl[0], m);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    pack_kernel(const T* __restrict__ x, int64_t n, int64_t M, float s, const uint32_t* ctrl, uint8_t* b,
+                float* scale) {
+  const float m = threelc_scale(ctrl[0], s);
+  if (blockIdx.x == 0 && threadIdx.x == 0) scale[0] = m;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < M;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    uint32_t d[5];
+#pragma unroll
+    for (int j = 0; j < 5; ++j) {
+      const int64_t e = j * M + i;
+      d[j] = e < n ? threelc_digit(to_f32(x[e]), m) : 1u;
+    }
+    b[i] = base3_pack(d[0], d[1], d[2], d[3], d[4]);
+  }
+}
+
+// Per block: the index of its last byte that is not 121, or -1.
+__global__ void __launch_bounds__(kThreads) last_nz_kernel(const uint8_t* b, int64_t M, int64_t* last) {
+  __shared__ typename Reduce::TempStorage tmp;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  int64_t l = -1;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i < M && b[i] != kTlcZero) l = i;
+  }
+  const int64_t r = Reduce(tmp).Reduce(l, MaxI64());
+  if (threadIdx.x == 0) last[blockIdx.x] = r;
+}
+
+// One block: in-place exclusive scan of v[0..count) with op and identity;
+// the total goes to *total when given.
+template <typename Op>
+__global__ void __launch_bounds__(kThreads) scan_kernel(int64_t* v, int64_t count, int64_t identity, Op op,
+                                                        int64_t* total) {
+  __shared__ typename Scan::TempStorage tmp;
+  int64_t carry = identity;
+  for (int64_t t0 = 0; t0 < count; t0 += kThreads) {
+    const int64_t i = t0 + threadIdx.x;
+    const int64_t x = i < count ? v[i] : identity;
+    int64_t out, agg;
+    Scan(tmp).ExclusiveScan(x, out, identity, op, agg);
+    __syncthreads();
+    if (i < count) v[i] = op(carry, out);
+    carry = op(carry, agg);
+  }
+  if (total != nullptr && threadIdx.x == 0) *total = carry;
+}
+
+// The thread's bytes [base, base + kPerThread) and where the run through its
+// first byte started (the byte after the last non-121 before it).
+__device__ __forceinline__ int64_t thread_run_start(const uint8_t* b, int64_t M, int64_t base,
+                                                    int64_t block_carry, typename Scan::TempStorage& tmp) {
+  int64_t l = -1;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i < M && b[i] != kTlcZero) l = i;
+  }
+  int64_t before;
+  Scan(tmp).ExclusiveScan(l, before, int64_t{-1}, MaxI64());
+  __syncthreads();
+  const int64_t prev = before > block_carry ? before : block_carry;
+  return prev + 1;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const uint8_t* b, int64_t M, const int64_t* carry, int64_t* counts) {
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ typename Reduce::TempStorage rtmp;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  int64_t start = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
+  int64_t c = 0;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i >= M) break;
+    if (b[i] != kTlcZero) {
+      start = i + 1;
+      ++c;
+    } else {
+      c += (i - start) % kTlcMaxRun == 0;
+    }
+  }
+  const int64_t total = Reduce(rtmp).Sum(c);
+  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    write_kernel(const uint8_t* b, int64_t M, const int64_t* carry, const int64_t* offs, uint8_t* out, int64_t cap) {
+  __shared__ typename Scan::TempStorage tmp;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  const int64_t start0 = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
+  int64_t start = start0;
+  int64_t c = 0;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i >= M) break;
+    if (b[i] != kTlcZero) {
+      start = i + 1;
+      ++c;
+    } else {
+      c += (i - start) % kTlcMaxRun == 0;
+    }
+  }
+  int64_t o;
+  Scan(tmp).ExclusiveSum(c, o);
+  o += offs[blockIdx.x];
+  start = start0;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i >= M) break;
+    const uint32_t v = b[i];
+    if (v != kTlcZero) {
+      start = i + 1;
+      if (o < cap) out[o] = static_cast<uint8_t>(v);
+      ++o;
+    } else if ((i - start) % kTlcMaxRun == 0) {
+      uint32_t len = 1;
+      while (len < static_cast<uint32_t>(kTlcMaxRun) && i + len < M && b[i + len] == kTlcZero) ++len;
+      if (o < cap) out[o] = static_cast<uint8_t>(threelc_run_byte(len));
+      ++o;
+    }
+  }
+}
+
+__global__ void finish_encode_kernel(const int64_t* total, int64_t cap, int32_t* length, uint8_t* overflow) {
+  length[0] = static_cast<int32_t>(*total);
+  overflow[0] = *total > cap ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------
+// Decode kernels
+// ---------------------------------------------------------------------------
+__device__ __forceinline__ int64_t used_of(const int32_t* length, int64_t cap) {
+  const int64_t l = length[0];
+  return l < 0 ? 0 : (l > cap ? cap : l);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    expand_count_kernel(const uint8_t* s, const int32_t* length, int64_t cap, int64_t* counts, uint32_t* ctrl) {
+  __shared__ typename Reduce::TempStorage tmp;
+  const int64_t used = used_of(length, cap);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  int64_t c = 0;
+  bool ok = true;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i >= used) break;
+    c += threelc_expand_count(s[i]);
+    if (i > 0) ok = ok && threelc_pair_ok(s[i - 1], s[i]);
+  }
+  if (!ok) atomicOr(&ctrl[1], 1u);
+  const int64_t total = Reduce(tmp).Sum(c);
+  if (threadIdx.x == 0) counts[blockIdx.x] = total;
+}
+
+__global__ void check_kernel(const int32_t* length, const uint8_t* overflow, int64_t cap, int64_t M,
+                             const int64_t* total, uint32_t* ctrl) {
+  const int64_t l = length[0];
+  const uint32_t f = overflow[0];
+  // Overflowed (NaN by definition) or corrupted (NaN, where the CPU raises).
+  const bool bad = l < 0 || f != 0 || l > cap || *total != M;
+  if (bad) ctrl[1] |= 2u;
+}
+
+__global__ void __launch_bounds__(kThreads) expand_kernel(const uint8_t* s, const int32_t* length, int64_t cap,
+                                                          const int64_t* offs, const uint32_t* ctrl, uint8_t* b,
+                                                          int64_t M) {
+  __shared__ typename Scan::TempStorage tmp;
+  if (ctrl[1] != 0) return;  // uniform across the grid
+  const int64_t used = used_of(length, cap);
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  int64_t c = 0;
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i < used) c += threelc_expand_count(s[i]);
+  }
+  int64_t o;
+  Scan(tmp).ExclusiveSum(c, o);
+  o += offs[blockIdx.x];
+  for (int k = 0; k < kPerThread; ++k) {
+    const int64_t i = base + k;
+    if (i >= used) break;
+    const uint32_t v = s[i];
+    const int64_t cnt = threelc_expand_count(v);
+    const uint8_t w = static_cast<uint8_t>(v >= kTlcRunBase ? kTlcZero : v);
+    for (int64_t j = 0; j < cnt && o + j < M; ++j) b[o + j] = w;
+    o += cnt;
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(const uint8_t* b, const float* scale,
+                                                           const uint32_t* ctrl, T* out, int64_t n, int64_t M) {
+  const bool bad = ctrl[1] != 0;
+  const float m = bad ? __int_as_float(0x7fc00000) : scale[0];
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
+       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+    float v;
+    if (bad) {
+      v = m;
+    } else {
+      const int64_t plane = e / M;
+      v = threelc_value(base3_digit(b[e - plane * M], static_cast<int>(plane)), m);
+    }
+    out[e] = from_f32<T>(v);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> out,
+                      ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
+                      ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
+  const char* op = "jaxcomp_threelc_encode";
+  if (!is_float(x.element_type())) return invalid(op, "input must be float32, bfloat16 or float16");
+  const int64_t n = x.element_count();
+  if (n >= (int64_t{1} << 32)) return invalid(op, "inputs are limited to 2^32 - 1 elements");
+  if (sparsity_bits < 0 || sparsity_bits > 0xffffffffll) return invalid(op, "sparsity_bits must be float32 bits");
+  const float s = bits_f32(static_cast<uint32_t>(sparsity_bits));
+  if (!(s >= 1.0f && s < 2.0f)) return invalid(op, "sparsity must be in [1.0, 2.0)");
+  const int64_t M = base3_bytes(n);
+  if (count(*scale) != 1 || count(*length) != 1 || count(*overflow) != 1)
+    return invalid(op, "scale, length and overflow must have one element each");
+  const int64_t cap = count(*out);
+  const int64_t blocks = blocks_for(M > cap ? M : cap);
+  if (count(*work) < work_bytes_needed(M, blocks)) return invalid(op, "work buffer is too small");
+  Work w = carve(work->typed_data(), M, blocks);
+  uint8_t* o = out->typed_data();
+  int64_t* total = reinterpret_cast<int64_t*>(w.ctrl + 2);
+  cudaMemsetAsync(w.ctrl, 0, 4 * kCtrlWords, stream);
+  if (cap > 0) cudaMemsetAsync(o, 0, cap, stream);
+  const int64_t mb = blocks_for(M);
+  with_type(x.element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* xd = static_cast<const T*>(x.untyped_data());
+    max_kernel<T><<<items(n), kThreads, 0, stream>>>(xd, n, w.ctrl);
+    pack_kernel<T><<<items(M), kThreads, 0, stream>>>(xd, n, M, s, w.ctrl, w.bytes, scale->typed_data());
+  });
+  if (M > 0) {
+    last_nz_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a);
+    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, mb, int64_t{-1}, MaxI64(), nullptr);
+    count_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b);
+    scan_kernel<<<1, kThreads, 0, stream>>>(w.b, mb, int64_t{0}, PlusI64(), total);
+    write_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b, o, cap);
+  }
+  finish_encode_kernel<<<1, 1, 0, stream>>>(total, cap, length->typed_data(), overflow->typed_data());
+  return launched(op);
+}
+
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> in, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::ResultBuffer<ffi::U8> work) {
+  const char* op = "jaxcomp_threelc_decode";
+  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
+  const int64_t n = out->element_count();
+  if (n >= (int64_t{1} << 32)) return invalid(op, "outputs are limited to 2^32 - 1 elements");
+  const int64_t M = base3_bytes(n);
+  if (count(scale) != 1 || count(length) != 1 || count(overflow) != 1)
+    return invalid(op, "scale, length and overflow must have one element each");
+  const int64_t cap = count(in);
+  const int64_t blocks = blocks_for(M > cap ? M : cap);
+  if (count(*work) < work_bytes_needed(M, blocks)) return invalid(op, "work buffer is too small");
+  Work w = carve(work->typed_data(), M, blocks);
+  int64_t* total = reinterpret_cast<int64_t*>(w.ctrl + 2);
+  cudaMemsetAsync(w.ctrl, 0, 4 * kCtrlWords, stream);
+  const int64_t sb = blocks_for(cap);
+  if (cap > 0) {
+    expand_count_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl);
+    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, sb, int64_t{0}, PlusI64(), total);
+  }
+  check_kernel<<<1, 1, 0, stream>>>(length.typed_data(), overflow.typed_data(), cap, M, total, w.ctrl);
+  if (cap > 0) {
+    expand_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl,
+                                                     w.bytes, M);
+  }
+  with_type(out->element_type(), [&](auto tag) {
+    using T = decltype(tag);
+    dequant_kernel<T><<<items(n), kThreads, 0, stream>>>(w.bytes, scale.typed_data(), w.ctrl,
+                                                         static_cast<T*>(out->untyped_data()), n, M);
+  });
+  return launched(op);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcEncode, jaxcomp::cuda::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // stream, capacity bytes
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scale m, [1]
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // length of the whole stream, [1]
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // overflow flag, [1]
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // work: bytes, control words, counters
+                                  .Attr<int64_t>("sparsity_bits"));  // float32 bits of s
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcDecode, jaxcomp::cuda::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // stream
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale, [1]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // length, [1]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // overflow, [1]
+                                  .Ret<ffi::AnyBuffer>()          // flat output
+                                  .Ret<ffi::Buffer<ffi::U8>>());  // work
+
+namespace jaxcomp {
+std::vector<HandlerEntry> threelc_cuda_handlers() {
+  return {{"jaxcomp_threelc_encode", reinterpret_cast<void*>(JaxcompCudaThreelcEncode)},
+          {"jaxcomp_threelc_decode", reinterpret_cast<void*>(JaxcompCudaThreelcDecode)}};
+}
 }  // namespace jaxcomp

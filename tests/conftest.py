@@ -43,6 +43,10 @@ CONTRACT_CODECS = [
     jc.codecs.Natural(bucket_size=8),
     jc.codecs.Natural(stochastic=False),
     jc.codecs.Natural(stochastic=False, bucket_size=16),
+    jc.codecs.ThreeLC(),
+    jc.codecs.ThreeLC(sparsity=1.5),
+    # Overflows on most inputs of more than a few hundred elements.
+    jc.codecs.ThreeLC(sparsity=1.9, capacity=48),
 ]
 
 FLOAT_DTYPES = ["float32", "bfloat16", "float16"]

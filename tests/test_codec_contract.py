@@ -31,7 +31,10 @@ def test_roundtrip_shape_and_dtype(codec, dtype, shape):
     y = decode(p)
     assert y.shape == shape and y.dtype == x.dtype
     assert p.nbytes == codec.wire_nbytes(shape, dtype)
-    assert int(p.used_nbytes) == p.nbytes
+    if type(codec).used_nbytes is jc.codecs.Codec.used_nbytes:
+        assert int(p.used_nbytes) == p.nbytes
+    else:  # variable rate (ThreeLC): part of a fixed-capacity buffer
+        assert 0 < int(p.used_nbytes) <= p.nbytes
     for name, spec in codec.layout(shape, dtype).items():
         assert p[name].shape == spec.shape and p[name].dtype == spec.dtype, name
 

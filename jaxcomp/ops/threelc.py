@@ -50,12 +50,13 @@ def sparsity_bits(s: float) -> int:
     return int(np.array(s, np.float32).view(np.uint32))
 
 
-def work_nbytes(n: int) -> int:
-    """Scratch bytes of the kernels: the base-3^5 bytes, then int32 per-block
-    counters for the CUDA scans (the CPU kernels use the first part only)."""
+def work_nbytes(n: int, capacity: int) -> int:
+    """Scratch bytes of the kernels: the base-3^5 bytes (rounded up to 8), 8
+    int32 control words and two int64 counters per block of BLOCK_BYTES for
+    the CUDA scans (cuda/threelc_ops.cu; the CPU kernels use the first part)."""
     m = ternary.num_bytes(n)
-    blocks = -(-m // BLOCK_BYTES)
-    return m + 4 * (3 * blocks + 8)
+    blocks = -(-max(m, capacity) // BLOCK_BYTES)
+    return -(-m // 8) * 8 + 32 + 16 * blocks
 
 
 # ---------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def _enc_shapes(n: int, capacity: int):
         jax.ShapeDtypeStruct((1,), jnp.float32),
         jax.ShapeDtypeStruct((1,), jnp.int32),
         jax.ShapeDtypeStruct((1,), jnp.uint8),
-        jax.ShapeDtypeStruct((work_nbytes(n),), jnp.uint8),
+        jax.ShapeDtypeStruct((work_nbytes(n, capacity),), jnp.uint8),
     )
 
 
@@ -202,7 +203,7 @@ def encode(x, *, s: float, capacity: int, backend: str = "auto"):
 def decode(stream, scale, length, overflow, *, n: int, dtype, backend: str = "auto"):
     """(stream, scale, length, overflow) -> flat array of n elements in dtype."""
     out = jax.ShapeDtypeStruct((n,), jnp.dtype(dtype))
-    work = jax.ShapeDtypeStruct((work_nbytes(n),), jnp.uint8)
+    work = jax.ShapeDtypeStruct((work_nbytes(n, stream.shape[0]),), jnp.uint8)
 
     def kernel(stream, scale, length, overflow):
         return ffi_call("jaxcomp_threelc_decode", (out, work), stream, scale, length, overflow)[:1]
