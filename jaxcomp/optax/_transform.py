@@ -18,6 +18,8 @@ from jaxcomp.collectives._core import ALGORITHMS
 from jaxcomp.optax._plan import Plan, Policy, make_plan
 
 _WHO = "jc.optax.compress_gradients"
+DEFAULT_FUSION_BYTES = 64 << 20
+DEFAULT_MIN_COMPRESS_SIZE = 1024
 
 
 class Telemetry(NamedTuple):
@@ -163,10 +165,10 @@ def compress_gradients(
     *,
     error_feedback: bool = True,
     algorithm: str = "auto",
-    fusion_bytes: int = 64 << 20,
-    min_compress_size: int = 1024,
+    fusion_bytes: int | None = None,
+    min_compress_size: int | None = None,
     warmup_steps: int | jax.Array = 0,
-    residual_dtype: Any = jnp.float32,
+    residual_dtype: Any = "float32",
     seed: int = 0,
 ) -> optax.GradientTransformation:
     """Compressed mean of the gradients over ``axis_name``, with error feedback.
@@ -193,9 +195,9 @@ def compress_gradients(
       algorithm: passed to ``jc.pmean``: "auto", "allgather", "two_phase",
         "ring" or "hierarchical".
       fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
-        larger than this is a bucket of its own).
+        larger than this is a bucket of its own); None: 64 MiB.
       min_compress_size: leaves with fewer elements are averaged
-        uncompressed, all in one fused ``lax.pmean``.
+        uncompressed, all in one fused ``lax.pmean``; None: 1024.
       warmup_steps: the first steps use the exact (uncompressed) mean, as in
         PowerSGD's ``start_powerSGD_iter`` and 1-bit Adam's warm-up. May be
         a traced int (``optax.inject_hyperparams``).
@@ -207,8 +209,16 @@ def compress_gradients(
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{_WHO}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    fusion_bytes = _check_static_int("fusion_bytes", fusion_bytes, 1)
-    min_compress_size = _check_static_int("min_compress_size", min_compress_size, 0)
+    # None defaults keep these out of optax.inject_hyperparams' numeric
+    # hyperparameters (which would turn them into arrays): they fix shapes.
+    fusion_bytes = _check_static_int(
+        "fusion_bytes", DEFAULT_FUSION_BYTES if fusion_bytes is None else fusion_bytes, 1
+    )
+    min_compress_size = _check_static_int(
+        "min_compress_size",
+        DEFAULT_MIN_COMPRESS_SIZE if min_compress_size is None else min_compress_size,
+        0,
+    )
     if isinstance(warmup_steps, (int, np.integer)) and not isinstance(warmup_steps, bool):
         if warmup_steps < 0:
             raise ValueError(f"{_WHO}: warmup_steps must be >= 0, got {warmup_steps}")

@@ -1,0 +1,621 @@
+"""jc.optax.compress_gradients on 8 simulated devices: conservation of error
+feedback, fusion, policy, warm-up, telemetry, pmap vs shard_map, orbax
+checkpoints, optax wrappers and misuse errors."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+N_DEV = 8
+AXIS = "data"
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if len(jax.devices()) < N_DEV:
+        pytest.skip(f"needs {N_DEV} devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return jax.make_mesh((N_DEV,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+# Codec configurations for the conservation test, by registered name; a
+# codec registered later without an entry here runs with its defaults.
+CONFIGS = {
+    "qsgd": [dict(bits=4), dict(bits=8)],
+    "onebit": [{}],
+    "int8": [{}],
+    "terngrad": [{}],
+    "natural": [{}],
+    "cast": [dict(dtype="bfloat16")],
+    "threelc": [{}],
+    "topk": [dict(fraction=0.05)],
+    "identity": [{}],
+}
+# The fast tier runs three of them; the slow tier every one.
+FAST = {jc.codecs.QSGD(bits=4), jc.codecs.OneBit(), jc.codecs.Natural()}
+CONSERVATION = [
+    pytest.param(c, marks=() if c in FAST else pytest.mark.slow, id=repr(c).replace(" ", ""))
+    for c in (
+        jc.codecs.get(name, **kw) for name in jc.codecs.names() for kw in CONFIGS.get(name, [{}])
+    )
+]
+
+
+def codec_id(c) -> str:
+    return repr(c).replace(" ", "")
+
+
+SHAPES = {"a": (40, 50), "b": (300,), "c": (1500,)}  # b: below min_compress_size
+SCALE = {"a": 1.0, "b": 0.1, "c": 3.0}
+
+
+def params0():
+    return {k: jnp.zeros(s, jnp.float32) for k, s in SHAPES.items()}
+
+
+def grads_at(t, d):
+    """Device d's gradient at step t: random, with a per-leaf scale and a
+    common offset, so the sums do not cancel."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(42), t), d)
+    keys = jax.random.split(key, len(SHAPES))
+    return {
+        k: SCALE[k] * (jax.random.normal(kk, s) + 0.25)
+        for kk, (k, s) in zip(keys, sorted(SHAPES.items()), strict=True)
+    }
+
+
+def make_tx(codec, **kw):
+    kw.setdefault("min_compress_size", 512)
+    kw.setdefault("fusion_bytes", 6000)
+    return jc.optax.compress_gradients(codec, AXIS, **kw)
+
+
+def scan_updates(mesh, tx, steps, state=None, t0=0):
+    """Runs ``steps`` updates of ``tx`` on every device (gradients from
+    grads_at) in one lax.scan under shard_map; returns (state, updates
+    stacked over steps)."""
+    if state is None:
+        state = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+
+    def body(state):
+        d = lax.axis_index(AXIS)
+
+        def one(state, t):
+            u, state = tx.update(grads_at(t, d), state)
+            return state, u
+
+        return lax.scan(one, state, t0 + jnp.arange(steps))
+
+    f = jax.jit(
+        jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()), check_vma=False)
+    )
+    return f(state)
+
+
+def residual_leaves(tx_codec, state, **kw):
+    """The per-device residuals of a shard_map state, unpacked into the
+    parameter layout: {leaf: float64 [devices, ...]}."""
+    kw.setdefault("min_compress_size", 512)
+    kw.setdefault("fusion_bytes", 6000)
+    plan = jc.optax.make_plan(tx_codec, params0(), **kw)
+    names = sorted(SHAPES)  # flatten order of a dict
+    out = {k: np.zeros((N_DEV, *SHAPES[k])) for k in names}
+    (cs,) = [s for s in state if isinstance(s, jc.optax.CompressState)] or [state]
+    for b, r in zip(plan.buckets, cs.residuals, strict=True):
+        r = np.asarray(r, np.float64)
+        assert r.shape == (N_DEV, b.size)
+        off = 0
+        for i, n in zip(b.leaves, b.sizes, strict=True):
+            out[names[i]] = r[:, off : off + n].reshape(N_DEV, *SHAPES[names[i]])
+            off += n
+    return out
+
+
+@functools.cache
+def reference_grad_sum(steps):
+    def at(t):
+        return jax.vmap(lambda d: grads_at(t, d))(jnp.arange(N_DEV))
+
+    g = jax.jit(jax.vmap(at))(jnp.arange(steps))  # [steps, devices, ...]
+    return {k: np.asarray(v, np.float64).sum(axis=(0, 1)) for k, v in g.items()}
+
+
+def conservation_error(mesh, codec, steps, error_feedback=True):
+    tx = make_tx(codec, error_feedback=error_feedback)
+    state, updates = scan_updates(mesh, tx, steps)
+    applied = {k: N_DEV * np.asarray(v, np.float64).sum(0) for k, v in updates.items()}
+    if error_feedback:
+        res = residual_leaves(codec, state)
+        for k in applied:
+            applied[k] = applied[k] + res[k].sum(0)
+    ref = reference_grad_sum(steps)
+    num = sum(float(np.sum((applied[k] - ref[k]) ** 2)) for k in ref)
+    den = sum(float(np.sum(ref[k] ** 2)) for k in ref)
+    return (num / den) ** 0.5
+
+
+# ---------------------------------------------------------------------------
+# Conservation: applied x P + residuals == sum of the gradients
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", CONSERVATION)
+def test_error_feedback_conserves_the_gradient_sum(mesh, codec):
+    assert conservation_error(mesh, codec, 1000) < 1e-5
+
+
+def test_without_error_feedback_the_sum_is_not_conserved(mesh):
+    # The same check fails when nothing carries the compression error: it
+    # can tell a lossy transformation from a conserving one.
+    assert conservation_error(mesh, jc.codecs.OneBit(), 200, error_feedback=False) > 1e-2
+
+
+# ---------------------------------------------------------------------------
+# The fusion plan
+# ---------------------------------------------------------------------------
+def test_plan_buckets_by_codec_dtype_and_size():
+    q, i8 = jc.codecs.QSGD(bits=4), jc.codecs.Int8()
+    tree = {
+        "w0": jax.ShapeDtypeStruct((1000,), jnp.float32),
+        "w1": jax.ShapeDtypeStruct((1000,), jnp.float32),
+        "w2": jax.ShapeDtypeStruct((1000,), jnp.float32),
+        "h": jax.ShapeDtypeStruct((2000,), jnp.bfloat16),
+        "e": jax.ShapeDtypeStruct((5000,), jnp.float32),
+        "bias": jax.ShapeDtypeStruct((10,), jnp.float32),
+        "n": jax.ShapeDtypeStruct((20,), jnp.bfloat16),
+    }
+
+    def policy(path, leaf):
+        return i8 if jax.tree_util.keystr(path) == "['e']" else q
+
+    plan = jc.optax.make_plan(policy, tree, min_compress_size=100, fusion_bytes=8000)
+    names = sorted(tree)  # ['bias', 'e', 'h', 'n', 'w0', 'w1', 'w2']
+    got = [(b.codec, b.dtype.name, [names[i] for i in b.leaves]) for b in plan.buckets]
+    assert got == [
+        (i8, "float32", ["e"]),  # larger than fusion_bytes: a bucket of its own
+        (q, "bfloat16", ["h"]),
+        (q, "float32", ["w0", "w1"]),  # 8000 bytes fit, a third leaf would not
+        (q, "float32", ["w2"]),
+    ]
+    exact = {d.name: [names[i] for i in ix] for d, ix in plan.exact}
+    assert exact == {"float32": ["bias"], "bfloat16": ["n"]}
+
+
+def _count_collectives(hlo: str) -> dict[str, int]:
+    kinds = ["all-gather", "all-to-all", "all-reduce", "collective-permute", "reduce-scatter"]
+    return {k: len(re.findall(rf"= [^=]*?\b{k}(-start)?\(", hlo)) for k in kinds}
+
+
+def test_fusion_issues_few_collectives(mesh):
+    codec = jc.codecs.QSGD(bits=4)
+    params = {f"w{i}": jnp.zeros((64, 32)) for i in range(12)}
+    params |= {f"b{i}": jnp.zeros((32,)) for i in range(12)}
+    grads = jax.tree.map(lambda p: jnp.ones((N_DEV, *p.shape)), params)
+
+    def compiled_counts(fusion_bytes):
+        tx = jc.optax.compress_gradients(codec, AXIS, fusion_bytes=fusion_bytes)
+        state = jc.optax.init(tx, params, mesh, AXIS)
+        specs = jc.optax.state_specs(state, AXIS)
+
+        def step(g, s):
+            return tx.update(jax.tree.map(lambda a: a[0], g), s)
+
+        f = jax.jit(
+            jax.shard_map(
+                step,
+                mesh=mesh,
+                in_specs=(P(AXIS), specs),
+                out_specs=(P(), specs),
+                check_vma=False,
+            )
+        )
+        hlo = f.lower(grads, state).compile().as_text()
+        return _count_collectives(hlo), len(state.residuals)
+
+    fused, n_buckets = compiled_counts(64 << 20)
+    assert n_buckets == 1
+    arrays = len(codec.layout((12 * 64 * 32,), jnp.float32))
+    # two-phase: one all-to-all and one all-gather per payload array; one
+    # all-reduce for the 12 biases, one for the residual norm.
+    assert fused["all-to-all"] <= arrays and fused["all-gather"] <= arrays
+    assert 1 <= fused["all-reduce"] <= 2
+    assert sum(fused.values()) <= 2 * arrays + 2
+    unfused, n_buckets = compiled_counts(1)
+    assert n_buckets == 12
+    assert sum(unfused.values()) >= 12 * arrays
+
+
+# ---------------------------------------------------------------------------
+# Policy
+# ---------------------------------------------------------------------------
+def run_once(mesh, tx, params, grads):
+    """One update on every device; grads has a leading device axis."""
+    state = jc.optax.init(tx, params, mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+
+    def step(g, s):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)
+
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs), check_vma=False
+        )
+    )
+    return f(grads, state)
+
+
+def exact_mean(mesh, grads):
+    f = jax.jit(
+        jax.shard_map(
+            lambda g: lax.pmean(jax.tree.map(lambda a: a[0], g), AXIS),
+            mesh=mesh,
+            in_specs=(P(AXIS),),
+            out_specs=P(),
+        )
+    )
+    return f(grads)
+
+
+def device_grads(seed=0):
+    return jax.vmap(lambda d: grads_at(seed, d))(jnp.arange(N_DEV))
+
+
+@pytest.mark.parametrize("form", ["callable", "pytree"])
+def test_policy_selects_codecs_per_leaf(mesh, form):
+    q = jc.codecs.QSGD(bits=2, bucket_size=512)
+    if form == "callable":
+
+        def policy(path, leaf):
+            return None if jax.tree_util.keystr(path) == "['c']" else q
+    else:
+        policy = {"a": q, "b": q, "c": None}
+    tx = jc.optax.compress_gradients(policy, AXIS, min_compress_size=100)
+    grads = device_grads()
+    updates, state = run_once(mesh, tx, params0(), grads)
+    exact = exact_mean(mesh, grads)
+    # 'c' is averaged exactly, 'a' and 'b' are compressed (2-bit QSGD is far off)
+    np.testing.assert_allclose(updates["c"], exact["c"], rtol=1e-6, atol=1e-6)
+    for k in ("a", "b"):
+        assert not np.allclose(updates[k], exact[k], rtol=1e-2, atol=1e-2)
+    assert [r.shape for r in state.residuals] == [(N_DEV, 2300)]
+
+
+def test_policy_pytree_must_match_the_gradients(mesh):
+    q = jc.codecs.QSGD(bits=4)
+    tx = jc.optax.compress_gradients({"a": q, "c": None}, AXIS)
+    with pytest.raises(ValueError, match="codec pytree does not match the gradients"):
+        tx.init(params0())
+
+
+def test_integer_leaf_with_a_codec_is_rejected():
+    tx = jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), AXIS, min_compress_size=10)
+    with pytest.raises(TypeError, match=r"cannot carry gradient \['i'\] of dtype int32"):
+        tx.init({"w": jnp.zeros(100), "i": jnp.zeros(100, jnp.int32)})
+    tx = jc.optax.compress_gradients(
+        lambda path, leaf: None if leaf.dtype == jnp.int32 else jc.codecs.QSGD(bits=4),
+        AXIS,
+        min_compress_size=10,
+    )
+    with pytest.raises(TypeError, match=r"gradient \['i'\] has dtype int32"):
+        tx.init({"w": jnp.zeros(100), "i": jnp.zeros(100, jnp.int32)})
+
+
+# ---------------------------------------------------------------------------
+# Warm-up and telemetry
+# ---------------------------------------------------------------------------
+def test_warmup_steps_send_the_exact_mean(mesh):
+    tx = make_tx(jc.codecs.OneBit(), warmup_steps=3)
+    state, updates = scan_updates(mesh, tx, 5)
+    for t in range(5):
+        grads = jax.vmap(lambda d, t=t: grads_at(t, d))(jnp.arange(N_DEV))
+        exact = exact_mean(mesh, grads)
+        close = all(np.allclose(updates[k][t], exact[k], rtol=1e-6, atol=1e-6) for k in ("a", "c"))
+        assert close == (t < 3), f"step {t}"
+        np.testing.assert_allclose(updates["b"][t], exact["b"], rtol=1e-6, atol=1e-6)
+    tel = jc.optax.telemetry(state)
+    assert int(tel["step"]) == 5 and float(tel["compression_ratio"]) > 5
+
+
+def test_warmup_leaves_no_residual_and_reports_full_width(mesh):
+    tx = make_tx(jc.codecs.OneBit(), warmup_steps=3)
+    state, _ = scan_updates(mesh, tx, 2)
+    assert all(float(jnp.abs(r).max()) == 0 for r in state.residuals)
+    tel = jc.optax.telemetry(state)
+    assert float(tel["bits_per_element"]) == 32.0
+    assert float(tel["compression_ratio"]) == pytest.approx(1.0)
+    assert float(tel["residual_norm"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("codec", "algorithm"),
+    [
+        (jc.codecs.QSGD(bits=4), "allgather"),
+        (jc.codecs.QSGD(bits=4), "two_phase"),
+        (jc.codecs.QSGD(bits=4), "ring"),
+        (jc.codecs.TernGrad(), "two_phase"),
+        (jc.codecs.Cast(), "allgather"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else codec_id(v),
+)
+def test_telemetry_values(mesh, codec, algorithm):
+    tx = make_tx(codec, algorithm=algorithm)
+    state, _ = scan_updates(mesh, tx, 3)
+    tel = jc.optax.telemetry(state)
+    plan = jc.optax.make_plan(codec, params0(), min_compress_size=512, fusion_bytes=6000)
+    assert [b.size for b in plan.buckets] == [2000, 1500]
+    n = 2000 + 300 + 1500
+    payload = sum(codec.wire_nbytes((b.size,), jnp.float32) for b in plan.buckets)
+    assert float(tel["bits_per_element"]) == pytest.approx(8 * (payload + 4 * 300) / n, rel=1e-6)
+    sent = 2 * (N_DEV - 1) / N_DEV * 4 * 300  # the uncompressed bias: ring all-reduce
+    for b in plan.buckets:
+        ops = jc.collectives.operand_nbytes(codec, (b.size,), jnp.float32, N_DEV, algorithm)
+        if algorithm == "allgather":
+            sent += (N_DEV - 1) * ops["all-gather"]
+        elif algorithm == "two_phase":
+            sent += (N_DEV - 1) / N_DEV * ops["all-to-all"] + (N_DEV - 1) * ops["all-gather"]
+        else:
+            sent += ops["collective-permute"]
+    assert float(tel["wire_bytes"]) == pytest.approx(sent, rel=1e-6)
+    baseline = 2 * (N_DEV - 1) / N_DEV * 4 * n
+    assert float(tel["compression_ratio"]) == pytest.approx(baseline / sent, rel=1e-6)
+    res = residual_leaves(codec, state)
+    norm = np.sqrt(sum(float(np.sum(v**2)) for v in res.values()))
+    assert float(tel["residual_norm"]) == pytest.approx(norm, rel=1e-5)
+    assert int(tel["step"]) == 3
+
+
+# ---------------------------------------------------------------------------
+# pmap and shard_map; checkpoints; optax wrappers
+# ---------------------------------------------------------------------------
+def sgd_chain(codec=None):
+    codec = codec or jc.codecs.QSGD(bits=4, bucket_size=128)
+    return optax.chain(make_tx(codec), optax.sgd(0.05, momentum=0.9))
+
+
+def train_step(tx):
+    def step(params, state, g):
+        updates, state = tx.update(jax.tree.map(lambda a: a[0], g), state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+_STEPS: dict = {}
+
+
+def shard_map_steps(mesh, tx, params, state, grads_list):
+    specs = jc.optax.state_specs(state, AXIS)
+    if id(tx) not in _STEPS:  # one jitted step per optimizer (keeps tx alive)
+        f = jax.jit(
+            jax.shard_map(
+                train_step(tx),
+                mesh=mesh,
+                in_specs=(P(), specs, P(AXIS)),
+                out_specs=(P(), specs),
+                check_vma=False,
+            )
+        )
+        _STEPS[id(tx)] = (tx, f)
+    f = _STEPS[id(tx)][1]
+    for g in grads_list:
+        params, state = f(params, state, g)
+    return params, state
+
+
+def pmap_steps(tx, params, grads_list):
+    params = jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params)
+    state = jax.pmap(tx.init, axis_name=AXIS)(params)
+    f = jax.pmap(train_step(tx), axis_name=AXIS)
+    for g in grads_list:
+        g = jax.tree.map(lambda a: a[:, None], g)  # [devices, 1, ...]: the same step code
+        params, state = f(params, state, g)
+    return params, state
+
+
+def assert_trees_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_pmap_and_shard_map_agree(mesh):
+    tx = sgd_chain()
+    grads_list = [device_grads(t) for t in range(3)]
+    p_sm, s_sm = shard_map_steps(
+        mesh, tx, params0(), jc.optax.init(tx, params0(), mesh, AXIS), grads_list
+    )
+    p_pm, s_pm = pmap_steps(tx, params0(), grads_list)
+    for d in range(N_DEV):
+        assert_trees_equal(p_sm, jax.tree.map(lambda a, d=d: a[d], p_pm))
+    # per-device residuals: row d of the shard_map state is device d's
+    res_pm = s_pm[0].residuals
+    for r_sm, r_pm in zip(s_sm[0].residuals, res_pm, strict=True):
+        np.testing.assert_array_equal(np.asarray(r_sm), np.asarray(r_pm)[:, 0])
+    tel_sm, tel_pm = jc.optax.telemetry(s_sm), jc.optax.telemetry(s_pm)
+    for k in tel_sm:
+        np.testing.assert_array_equal(np.asarray(tel_pm[k]), np.full(N_DEV, tel_sm[k]))
+
+
+def test_orbax_checkpoint_restores_bit_identically(mesh, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    tx = sgd_chain(jc.codecs.TernGrad(bucket_size=64))  # stochastic: the key must survive too
+    grads_list = [device_grads(t) for t in range(6)]
+    state0 = jc.optax.init(tx, params0(), mesh, AXIS)
+    params, state = shard_map_steps(mesh, tx, params0(), state0, grads_list[:3])
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
+    ckpt.wait_until_finished()
+    p_a, s_a = shard_map_steps(mesh, tx, params, state, grads_list[3:])
+
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": state})
+    restored = ckpt.restore(tmp_path / "ckpt", target)
+    r_state = restored["opt_state"]
+    assert jax.tree.structure(r_state) == jax.tree.structure(state)
+    assert r_state[0].residuals[0].sharding.spec == P(AXIS)
+    p_b, s_b = shard_map_steps(mesh, tx, restored["params"], r_state, grads_list[3:])
+    assert_trees_equal(p_a, p_b)
+    assert_trees_equal(s_a, s_b)
+
+
+def test_inject_hyperparams_around_the_chain(mesh):
+    def make(learning_rate):
+        return optax.chain(make_tx(jc.codecs.Int8()), optax.sgd(learning_rate))
+
+    tx = optax.inject_hyperparams(make)(learning_rate=0.1)
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    p1, s1 = shard_map_steps(mesh, tx, params0(), state, [device_grads(0)])
+    state2 = state._replace(hyperparams={"learning_rate": jnp.asarray(0.2)})
+    p2, _ = shard_map_steps(mesh, tx, params0(), state2, [device_grads(0)])
+    np.testing.assert_allclose(p2["a"], 2 * p1["a"], rtol=1e-6)
+    assert int(jc.optax.telemetry(s1)["step"]) == 1
+
+
+def test_inject_hyperparams_warmup_steps(mesh):
+    static = ("fusion_bytes", "min_compress_size")
+    tx = optax.inject_hyperparams(jc.optax.compress_gradients, static_args=static)(
+        codec=jc.codecs.OneBit(),
+        axis_name=AXIS,
+        fusion_bytes=6000,
+        min_compress_size=512,
+        warmup_steps=1,
+    )
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+    g = device_grads(0)
+
+    def step(g, s):
+        return tx.update(jax.tree.map(lambda a: a[0], g), s)
+
+    f = jax.jit(
+        jax.shard_map(
+            step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs), check_vma=False
+        )
+    )
+    exact = exact_mean(mesh, g)
+    u1, s1 = f(g, state)  # step 0 < warmup_steps=1: exact
+    np.testing.assert_allclose(u1["a"], exact["a"], rtol=1e-6, atol=1e-6)
+    hyperparams = dict(
+        state.hyperparams, warmup_steps=jnp.zeros_like(state.hyperparams["warmup_steps"])
+    )
+    u2, _ = f(g, state._replace(hyperparams=hyperparams))
+    assert not np.allclose(u2["a"], exact["a"], rtol=1e-3, atol=1e-3)
+    assert float(jc.optax.telemetry(s1)["bits_per_element"]) == 32.0
+
+    # Left at their None defaults, the structural ints need no static_args.
+    plain = optax.inject_hyperparams(jc.optax.compress_gradients)(
+        codec=jc.codecs.OneBit(), axis_name=AXIS, warmup_steps=1
+    )
+    assert set(plain.init(params0()).hyperparams) == {"warmup_steps", "seed"}
+    with pytest.raises(ValueError, match="static_args"):
+        optax.inject_hyperparams(jc.optax.compress_gradients)(
+            codec=jc.codecs.OneBit(), axis_name=AXIS, fusion_bytes=6000
+        ).init(params0())
+
+
+def test_multisteps(mesh):
+    inner = sgd_chain(jc.codecs.Int8(bucket_size=64))
+    tx = optax.MultiSteps(inner, every_k_schedule=2)
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+    assert specs.acc_grads == {"a": P(AXIS), "b": P(AXIS), "c": P(AXIS)}
+    assert state.acc_grads["a"].shape == (N_DEV * 40, 50)
+    grads_list = [device_grads(t) for t in range(4)]
+    p_sm, s_sm = shard_map_steps(mesh, tx, params0(), state, grads_list)
+    assert int(jc.optax.telemetry(s_sm)["step"]) == 2  # one communication per 2 micro-steps
+    p_pm, _ = pmap_steps(tx, params0(), grads_list)
+    assert_trees_equal(p_sm, jax.tree.map(lambda a: a[0], p_pm))
+    # The same as the inner chain on the per-device mean of each pair of micro-steps.
+    pairs = [
+        jax.tree.map(lambda x, y: (x + y) / 2, grads_list[i], grads_list[i + 1]) for i in (0, 2)
+    ]
+    p_ref, _ = shard_map_steps(
+        mesh, inner, params0(), jc.optax.init(inner, params0(), mesh, AXIS), pairs
+    )
+    for k in p_ref:
+        np.testing.assert_allclose(p_sm[k], p_ref[k], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Misuse
+# ---------------------------------------------------------------------------
+def test_update_outside_a_mapped_step():
+    tx = make_tx(jc.codecs.QSGD(bits=4))
+    state = tx.init(params0())
+    with pytest.raises(
+        ValueError, match=r"inside jax\.shard_map or jax\.pmap over the axis 'data'"
+    ):
+        tx.update(params0(), state)
+
+
+def test_update_with_an_unbound_axis_name(mesh):
+    tx = jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), "batch")
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+    f = jax.shard_map(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match="axis 'batch', which is not bound here"):
+        jax.jit(f)(device_grads(), state)
+
+
+def test_replicated_per_device_state_is_detected(mesh):
+    tx = make_tx(jc.codecs.QSGD(bits=4))
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    f = jax.shard_map(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+        mesh=mesh,
+        in_specs=(P(AXIS), P()),
+        out_specs=(P(), P()),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match=r"jc\.optax\.state_specs"):
+        jax.jit(f)(device_grads(), state)
+
+
+def test_replicated_out_specs_rejected_by_vma_checking(mesh):
+    tx = make_tx(jc.codecs.QSGD(bits=4))
+    state = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+
+    def step(g, s):
+        _, s = tx.update(jax.tree.map(lambda a: a[0], g), s)
+        return s.residuals
+
+    f = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=P(),  # a per-device residual declared replicated
+    )
+    with pytest.raises(Exception, match=r"(?i)vary|varying|replicat"):
+        jax.jit(f)(device_grads(), state)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(fusion_bytes=0), "fusion_bytes must be a Python int >= 1"),
+        (dict(min_compress_size=-1), "min_compress_size must be a Python int >= 0"),
+        (dict(algorithm="tree"), "algorithm must be one of"),
+        (dict(warmup_steps=-2), "warmup_steps must be >= 0"),
+        (dict(residual_dtype=jnp.int32), "residual_dtype must be a floating dtype"),
+    ],
+)
+def test_bad_configuration(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), AXIS, **kw)
+
+
+def test_telemetry_needs_a_compress_state():
+    with pytest.raises(ValueError, match=r"no jc\.optax\.compress_gradients state"):
+        jc.optax.telemetry(optax.sgd(0.1).init(params0()))
