@@ -78,6 +78,13 @@ CASES = [
     ("natural", {"stochastic": True, "bucket_size": 8}, (37,), "float32", "special"),
     ("natural", {"stochastic": False, "bucket_size": 8}, (37,), "float16", "special"),
     ("natural", {"stochastic": False, "bucket_size": 8}, (0,), "float32", "normal"),
+    ("threelc", {"sparsity": 1.0}, (37,), "float32", "normal"),
+    ("threelc", {"sparsity": 1.5}, (3, 100), "bfloat16", "normal"),
+    ("threelc", {"sparsity": 1.9}, (1029,), "float16", "normal"),
+    ("threelc", {"sparsity": 1.75, "capacity": 8}, (300,), "float32", "normal"),
+    ("threelc", {"sparsity": 1.25, "capacity": 400}, (1029,), "float32", "normal"),
+    ("threelc", {"sparsity": 1.0}, (37,), "float32", "special"),
+    ("threelc", {"sparsity": 1.0}, (0,), "float32", "normal"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the
