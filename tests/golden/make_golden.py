@@ -85,6 +85,7 @@ CASES = [
     ("threelc", {"sparsity": 1.25, "capacity": 400}, (1029,), "float32", "normal"),
     ("threelc", {"sparsity": 1.0}, (37,), "float32", "special"),
     ("threelc", {"sparsity": 1.0}, (0,), "float32", "normal"),
+    ("threelc", {"sparsity": 1.0, "capacity": 3}, (300,), "bfloat16", "normal"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the
