@@ -1,0 +1,398 @@
+"""Pieces both examples share: the ``--codec`` parser, the mesh, the gradient
+transformation (plain or compressed all-reduce), the progress bar.
+
+The examples keep their training state per device, stacked on a leading axis
+of length ``num_devices`` and sharded over the ``"data"`` mesh axis: every
+device holds the parameters (identical on every device, because every device
+applies the same all-reduced update) and its own optimizer state (the error
+feedback residual differs from device to device).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+AXIS = "data"
+
+# Names that select the uncompressed baseline: a float32 ``lax.pmean``.
+UNCOMPRESSED = ("float32", "none", "fp32")
+
+
+def simulate_devices(n: int = 8) -> None:
+    """Asks XLA for ``n`` host devices; must run before jax is imported."""
+    if "jax" in sys.modules:
+        return
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def _value(text: str) -> Any:
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSpec:
+    """A parsed ``--codec`` argument: a codec name and its keyword parameters."""
+
+    name: str
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def uncompressed(self) -> bool:
+        return self.name in UNCOMPRESSED
+
+    def build(self):
+        """The :mod:`jaxcomp.codecs` codec, or None for the float32 baseline."""
+        if self.uncompressed:
+            return None
+        import jaxcomp as jc
+
+        return jc.codecs.get(self.name, **dict(self.params))
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.name
+        return self.name + ":" + ",".join(f"{k}={v}" for k, v in self.params)
+
+
+def parse_codec(spec: str) -> CodecSpec:
+    """Parses ``NAME[:KEY=VALUE[,KEY=VALUE...]]`` into a :class:`CodecSpec`.
+
+    ``NAME`` is a :func:`jaxcomp.codecs.names` entry, or ``float32`` for the
+    uncompressed baseline; ``bfloat16``/``float16`` are short for
+    ``cast:dtype=...``. Values are read as bool (true/false), int, float or
+    else string. Examples: ``qsgd:bits=4``, ``qsgd:bits=8,bucket_size=256``,
+    ``onebit``, ``topk:fraction=0.01``, ``threelc:sparsity=1.5``.
+
+    Raises:
+      ValueError: for an empty name, a parameter without ``=``, or (when the
+        codec is built) an unknown codec or a bad parameter.
+    """
+    name, _, rest = spec.strip().partition(":")
+    name = name.strip().lower()
+    if not name:
+        raise ValueError(f"--codec: expected NAME[:KEY=VALUE,...], got {spec!r}")
+    if name in ("bfloat16", "float16") and not rest:
+        return CodecSpec("cast", (("dtype", name),))
+    params = []
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"--codec: parameter {item!r} of {spec!r} is not KEY=VALUE")
+        params.append((key.strip(), _value(value.strip())))
+    if name in UNCOMPRESSED and params:
+        raise ValueError(f"--codec: {name} takes no parameters, got {spec!r}")
+    return CodecSpec(name, tuple(params))
+
+
+def make_mesh(num_devices: int):
+    """A 1-D mesh over the first ``num_devices`` devices, axis ``"data"``."""
+    import jax
+    from jax.sharding import Mesh
+
+    devices = jax.devices()
+    if len(devices) < num_devices:
+        raise ValueError(
+            f"num_devices={num_devices} but only {len(devices)} devices exist; set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before importing jax"
+        )
+    import numpy as np
+
+    return Mesh(np.array(devices[:num_devices]), (AXIS,))
+
+
+def pmean_gradients(axis_name: str = AXIS):
+    """The uncompressed baseline as an optax transformation: float32
+    ``lax.pmean`` of every gradient leaf over ``axis_name``."""
+    import jax
+    import optax
+    from jax import lax
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(lambda g: lax.pmean(g, axis_name), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
+def gradient_transformation(
+    spec: CodecSpec,
+    *,
+    error_feedback: bool,
+    algorithm: str = "auto",
+    min_compress_size: int = 1024,
+    seed: int = 0,
+):
+    """The all-reduce stage of the optimizer chain for ``spec``: the float32
+    baseline, or ``jc.optax.compress_gradients`` (docs/training.md)."""
+    if spec.uncompressed:
+        return pmean_gradients(AXIS)
+    import jaxcomp as jc
+
+    return jc.optax.compress_gradients(
+        spec.build(),
+        axis_name=AXIS,
+        error_feedback=error_feedback,
+        algorithm=algorithm,
+        min_compress_size=min_compress_size,
+        seed=seed,
+    )
+
+
+def step_telemetry(spec: CodecSpec, opt_state, num_params: int, num_devices: int):
+    """(bits per element, bytes sent by one device) of the last step, traced.
+
+    For the float32 baseline: 32 bits per element and a ring all-reduce's
+    per-device send volume, 2 (P-1)/P x 4 bytes per element, the reference
+    ``jc.optax.telemetry`` measures its compression ratio against.
+    """
+    import jax.numpy as jnp
+
+    if spec.uncompressed:
+        p = num_devices
+        wire = 2.0 * (p - 1) / p * 4.0 * num_params if p > 1 else 0.0
+        return jnp.float32(32.0), jnp.float32(wire)
+    import jaxcomp as jc
+
+    t = jc.optax.telemetry(opt_state)
+    return t["bits_per_element"].astype(jnp.float32), t["wire_bytes"].astype(jnp.float32)
+
+
+def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params: int):
+    """A jitted ``run(params, opt_state, data_key, start, num_steps)``.
+
+    ``params`` are replicated; ``opt_state`` is laid out by
+    ``jc.optax.init`` (per-device residuals sharded over ``"data"``).
+
+    It runs ``num_steps`` data-parallel steps inside one ``jax.shard_map``
+    (a ``lax.fori_loop``): on every device, ``loss_fn(params, key)`` with a
+    key folded from ``data_key``, the step and the device index (so each
+    device draws its own minibatch) returns ``(loss, accuracy)``; the
+    gradient goes through ``tx`` (whose first stage all-reduces it).
+
+    Returns ``(params, opt_state, metrics)``, metrics being the means over the
+    steps and devices of loss, accuracy, bits per element and wire bytes.
+    """
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    ndev = mesh.shape[AXIS]
+    param_specs = jax.tree.map(lambda _: P(), param_shapes)
+    specs = jc.optax.state_specs(jax.eval_shape(tx.init, param_shapes), AXIS)
+
+    def local(params, opt_state, data_key, start, num_steps):
+        dev = lax.axis_index(AXIS)
+
+        def body(i, carry):
+            params, opt_state, sums = carry
+            key = jax.random.fold_in(jax.random.fold_in(data_key, start + i), dev)
+            (loss, acc), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, key)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+            bits, wire = step_telemetry(spec, opt_state, num_params, ndev)
+            return params, opt_state, sums + jnp.stack([loss, acc, bits, wire])
+
+        sums = jnp.zeros((4,), jnp.float32)
+        params, opt_state, sums = lax.fori_loop(0, num_steps, body, (params, opt_state, sums))
+        return params, opt_state, lax.pmean(sums / num_steps, AXIS)
+
+    @functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))
+    def run(params, opt_state, data_key, start, num_steps):
+        f = jax.shard_map(
+            functools.partial(local, num_steps=num_steps),
+            mesh=mesh,
+            in_specs=(param_specs, specs, P(), P()),
+            out_specs=(param_specs, specs, P()),
+            # the compressed mean is identical on every device, but comes out
+            # of all_gathers JAX types as per-device (docs/training.md)
+            check_vma=False,
+        )
+        return f(params, opt_state, data_key, start)
+
+    return run
+
+
+def fit(trainer, params, opt_state, data_key, config, workdir, *, verbose: bool) -> dict:
+    """The training loop both examples share: ``config.steps`` steps in
+    pieces of ``config.log_every``, an evaluation and a log line after each.
+
+    ``trainer`` provides ``run`` (:func:`make_train_loop`), ``evaluate``
+    (params -> (test loss, test accuracy)), ``spec`` and ``num_params``.
+    """
+    import json
+    import pathlib
+    import time
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    spec = trainer.spec
+    history: list[dict[str, float]] = []
+    bar = progress(config.steps, enabled=verbose, desc=str(spec))
+    train_seconds = 0.0
+    for start, n in chunks(config.steps, config.log_every):
+        t0 = time.perf_counter()
+        params, opt_state, metrics = trainer.run(params, opt_state, data_key, jnp.int32(start), n)
+        metrics = np.asarray(metrics, np.float64)
+        train_seconds += time.perf_counter() - t0
+        test_loss, test_acc = (float(v) for v in trainer.evaluate(params))
+        row = {
+            "step": start + n,
+            "loss": metrics[0],
+            "accuracy": metrics[1],
+            "test_loss": test_loss,
+            "test_accuracy": test_acc,
+            "bits_per_element": metrics[2],
+            "wire_bytes": metrics[3],
+        }
+        row = {k: (v if k == "step" else float(v)) for k, v in row.items()}
+        history.append(row)
+        bar.update(n)
+        if verbose:
+            bar.write(log_line(row["step"], {k: v for k, v in row.items() if k != "step"}))
+    bar.close()
+    weights = np.diff([0] + [h["step"] for h in history])
+
+    def mean(k):
+        return float(np.average([h[k] for h in history], weights=weights))
+
+    result = {
+        "codec": str(spec),
+        "error_feedback": bool(config.error_feedback and not spec.uncompressed),
+        "seed": config.seed,
+        "steps": config.steps,
+        "num_params": trainer.num_params,
+        "test_accuracy": history[-1]["test_accuracy"],
+        "test_loss": history[-1]["test_loss"],
+        "bits_per_element": mean("bits_per_element"),
+        "wire_bytes": mean("wire_bytes"),
+        "train_seconds": train_seconds,
+        "history": history,
+        "params": params,
+    }
+    if workdir is not None:
+        out = pathlib.Path(workdir)
+        out.mkdir(parents=True, exist_ok=True)
+        record = {k: v for k, v in result.items() if k != "params"}
+        with open(out / "metrics.json", "w") as f:
+            json.dump({"config": dataclasses.asdict(config), **record}, f, indent=1)
+    return result
+
+
+def progress(total: int, *, enabled: bool = True, desc: str = "train") -> Any:
+    """A tqdm progress bar over training steps (a silent stand-in if disabled)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="step", disable=not enabled, dynamic_ncols=True)
+
+
+def chunks(total: int, every: int) -> Iterator[tuple[int, int]]:
+    """Splits ``total`` steps into (start, length) pieces of at most ``every``."""
+    start = 0
+    while start < total:
+        n = min(every, total - start)
+        yield start, n
+        start += n
+
+
+def log_line(step: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step:5d}"]
+    for k, v in metrics.items():
+        if k in ("wire_bytes",):
+            parts.append(f"{k} {int(v):,d}")
+        elif isinstance(v, float) and (abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3)):
+            parts.append(f"{k} {v:.3e}")
+        else:
+            parts.append(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}")
+    return "  ".join(parts)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+Printer = Callable[[str], None]
+
+
+def add_flags(ap) -> None:
+    """The command-line flags both examples take."""
+    import argparse
+
+    ap.add_argument("--config", help="Python file with get_config() (default: configs/default.py)")
+    ap.add_argument(
+        "--codec",
+        help="NAME[:KEY=VALUE,...], e.g. float32, qsgd:bits=4, onebit, int8, topk:fraction=0.01",
+    )
+    ap.add_argument(
+        "--error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep what compression dropped for the next step (default: on)",
+    )
+    ap.add_argument("--algorithm", help="jc.psum algorithm: auto, allgather, two_phase, ring")
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--log-every", type=int)
+    ap.add_argument("--learning-rate", type=float)
+    ap.add_argument("--workdir", help="write metrics.json here")
+    ap.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+
+
+def load_config(path: str | os.PathLike):
+    """Calls ``get_config()`` of the Python config file at ``path``."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} not found (run from the repository root)")
+    module_spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config()
+
+
+def config_from_flags(args, *, default: str):
+    """The config file's ``get_config()`` with the flags given overriding its fields."""
+    import pathlib
+
+    path = args.config or str(pathlib.Path(__file__).resolve().parent.parent / default)
+    config = load_config(path)
+    overrides = {
+        "codec": args.codec,
+        "error_feedback": args.error_feedback,
+        "algorithm": args.algorithm,
+        "steps": args.steps,
+        "seed": args.seed,
+        "log_every": args.log_every,
+        "learning_rate": args.learning_rate,
+    }
+    overrides = {k: v for k, v in overrides.items() if v is not None}
+    if "codec" in overrides:
+        parse_codec(overrides["codec"])  # fail early on a malformed spec
+    return dataclasses.replace(config, **overrides)

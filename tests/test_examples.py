@@ -1,0 +1,112 @@
+"""Smoke tests of the Flax examples: a couple of steps each, tiny configs."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+# The examples are not installed: import them from the source tree, after the
+# installed packages (jaxcomp must stay the installed one).
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+pytest.importorskip("flax")
+pytest.importorskip("sklearn")
+
+from examples import common  # noqa: E402
+
+
+def test_parse_codec():
+    assert common.parse_codec("float32").uncompressed
+    s = common.parse_codec("QSGD:bits=4, bucket_size=256")
+    assert s == common.CodecSpec("qsgd", (("bits", 4), ("bucket_size", 256)))
+    assert str(s) == "qsgd:bits=4,bucket_size=256"
+    assert s.build().bits == 4
+    assert common.parse_codec("bfloat16").build().dtype == "bfloat16"
+    assert common.parse_codec("natural:stochastic=false").build().stochastic is False
+    assert common.parse_codec("onebit").build().bucket_size == 64
+
+
+@pytest.mark.parametrize(
+    "spec", ["", ":bits=4", "qsgd:bits", "float32:bits=4"], ids=["empty", "noname", "noeq", "f32"]
+)
+def test_parse_codec_rejects(spec):
+    with pytest.raises(ValueError, match="--codec"):
+        common.parse_codec(spec)
+
+
+def test_unknown_codec_and_bad_parameter():
+    with pytest.raises(ValueError, match="unknown codec"):
+        common.parse_codec("nosuchcodec").build()
+    with pytest.raises(ValueError, match="bits"):
+        common.parse_codec("qsgd:bits=99").build()
+
+
+def _finite(result):
+    return all(math.isfinite(h[k]) for h in result["history"] for k in h)
+
+
+@pytest.mark.parametrize("codec", ["float32", "qsgd:bits=4"])
+def test_image_classifier_steps(codec, tmp_path):
+    from examples.image_classifier import main, train
+
+    argv = ["--config", str(ROOT / "examples/image_classifier/configs/tiny.py")]
+    result = main.main([*argv, "--codec", codec, "--quiet", "--workdir", str(tmp_path)])
+    assert [h["step"] for h in result["history"]] == [1, 2]
+    assert _finite(result)
+    assert 0.0 <= result["test_accuracy"] <= 1.0
+    n = result["num_params"]
+    if codec == "float32":
+        assert result["bits_per_element"] == 32.0
+        assert result["wire_bytes"] == pytest.approx(2 * 7 / 8 * 4 * n)
+    else:  # 4-bit payloads, the biases in float32
+        assert 4.0 < result["bits_per_element"] < 8.0
+        assert 0 < result["wire_bytes"] < 2 * 7 / 8 * 4 * n
+    record = json.loads((tmp_path / "metrics.json").read_text())
+    assert record["config"]["codec"] == codec and record["steps"] == 2
+    assert isinstance(train.Config(), train.Config)
+
+
+def test_image_classifier_learns_and_is_reproducible():
+    from examples.image_classifier import train
+    from examples.image_classifier.configs import tiny
+
+    config = dataclasses.replace(
+        tiny.get_config(), codec="onebit", steps=20, log_every=10, global_batch_size=64
+    )
+    a = train.train_and_evaluate(config, verbose=False)
+    b = train.train_and_evaluate(config, verbose=False)
+    assert a["history"] == b["history"]  # same seed: the same run, bit for bit
+    assert a["history"][-1]["loss"] < a["history"][0]["loss"]
+    c = train.train_and_evaluate(dataclasses.replace(config, seed=1), verbose=False)
+    assert c["history"] != a["history"]
+
+
+def test_lm_steps():
+    from examples.lm import main
+
+    argv = ["--config", str(ROOT / "examples/lm/configs/tiny.py"), "--codec", "int8", "--quiet"]
+    result = main.main(argv)
+    assert _finite(result)
+    assert result["test_loss"] < 7.0  # about log(256) = 5.5 untrained
+    assert result["test_perplexity"] == pytest.approx(math.exp(result["test_loss"]))
+    assert result["bits_per_element"] < 32.0
+
+
+def test_config_flags_override():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    common.add_flags(ap)
+    args = ap.parse_args(["--codec", "int8", "--steps", "7", "--no-error-feedback"])
+    config = common.config_from_flags(args, default="examples/image_classifier/configs/default.py")
+    assert (config.codec, config.steps, config.error_feedback) == ("int8", 7, False)
+    with pytest.raises(ValueError, match="--codec"):
+        common.config_from_flags(
+            ap.parse_args(["--codec", "qsgd:4"]),
+            default="examples/image_classifier/configs/default.py",
+        )
