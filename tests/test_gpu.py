@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.codecs import QSGD, Cast, Codec, Int8, Natural, OneBit, TernGrad
+from jaxcomp.codecs import QSGD, Cast, Codec, Int8, Natural, OneBit, TernGrad, ThreeLC
 
 
 def _cuda_device() -> jax.Device | None:
@@ -65,6 +65,9 @@ CODECS = [
     Natural(bucket_size=8),
     Natural(stochastic=False, bucket_size=16),
     Natural(stochastic=False, bucket_size=4096),
+    ThreeLC(),
+    ThreeLC(sparsity=1.75),
+    ThreeLC(sparsity=1.5, capacity=64),
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SIZES = [1, 7, 1000, 4099, 70001]
@@ -79,6 +82,8 @@ def _codec_id(codec: Codec) -> str:
     if isinstance(codec, Natural):
         mode = "stoch" if codec.stochastic else "nearest"
         return f"natural-{mode}-B{codec.bucket_size}"
+    if isinstance(codec, ThreeLC):
+        return f"threelc-s{codec.sparsity}-cap{codec.capacity}"
     return f"{codec.name}-B{codec.bucket_size}"
 
 
@@ -217,3 +222,65 @@ def test_ffi_backend_runs_the_cuda_kernels():
     payload = _encoder(codec, "ffi")(x, key)
     hlo = _decoder(codec, "ffi").lower(payload).compile().as_text()
     assert 'custom_call_target="jaxcomp_qsgd_decode"' in hlo
+
+
+# ThreeLC: zero runs across the 4096-byte blocks of the CUDA scans (runs of
+# every length, starting and ending at block edges, one through a whole
+# block), an all-zero tensor, and corrupted streams, which the CUDA decoder
+# turns into NaN as the twin does (the CPU kernel raises instead).
+def _threelc_block_runs(n: int) -> np.ndarray:
+    rng = np.random.default_rng(n)
+    m = -(-n // 5)
+    x = rng.uniform(0.6, 1.0, n).astype(np.float32) * np.where(rng.random(n) < 0.5, -1, 1)
+    zero = np.zeros(m, bool)
+    for j, b in enumerate(range(4096, m, 4096)):
+        length = [1, 2, 13, 14, 15, 29, 30, 5000][j % 8]
+        a = max(0, b + [0, -1, 1, -length][j % 4])
+        zero[a : a + length] = True
+    idx = np.flatnonzero(zero)
+    for j in range(5):
+        e = j * m + idx
+        x[e[e < n]] = 0.0
+    x[0] = 1.0
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("s", [1.0, 1.9])
+def test_threelc_runs_across_blocks(s):
+    for x in [_threelc_block_runs(5 * 4096 * 9 + 3), np.zeros(5 * 4096 * 3 + 1, np.float32)]:
+        codec = ThreeLC(sparsity=s)
+        payloads = {
+            "gpu-ffi": _encoder(codec, "ffi")(*_on(GPU, x, jax.random.key(0))),
+            "gpu-xla": _encoder(codec, "xla")(*_on(GPU, x, jax.random.key(0))),
+            "cpu-ffi": _encoder(codec, "ffi")(*_on(CPU, x, jax.random.key(0))),
+        }
+        for name in ("gpu-ffi", "cpu-ffi"):
+            for k in payloads["gpu-xla"].arrays:
+                _assert_same(payloads[name][k], payloads["gpu-xla"][k], f"{name} payload[{k!r}]")
+        _assert_same(
+            _decoder(codec, "ffi")(payloads["gpu-ffi"]),
+            _decoder(codec, "xla")(payloads["gpu-xla"]),
+            "decode",
+        )
+
+
+def test_threelc_corrupted_stream_is_nan_on_gpu():
+    codec = ThreeLC()
+    x = _input(3001, np.float32)
+    p = _encoder(codec, "ffi")(*_on(GPU, x, jax.random.key(0)))
+    used = int(p["length"][0])
+    stream = np.asarray(p["stream"])
+    bad = [
+        {"length": np.int32([stream.size + 1])},
+        {"length": np.int32([used - 1])},
+        {"overflow": np.uint8([1])},
+        {"stream": np.where(np.arange(stream.size) == 0, 255, stream).astype(np.uint8)},
+    ]
+    for i, arrays in enumerate(bad):
+        a = p.arrays
+        a.update({k: jax.device_put(v, GPU) for k, v in arrays.items()})
+        q = jaxcomp.Payload(codec, p.shape, p.dtype, a)
+        got = np.asarray(_decoder(codec, "ffi")(q))
+        want = np.asarray(_decoder(codec, "xla")(q))
+        assert np.all(np.isnan(want)), i
+        _assert_same(got, want, f"corrupted case {i}")
