@@ -40,7 +40,7 @@ CONFIGS = {
     "identity": [{}],
 }
 # The fast tier runs three of them; the slow tier every one.
-FAST = {jc.codecs.QSGD(bits=4), jc.codecs.OneBit(), jc.codecs.Natural()}
+FAST = {jc.codecs.QSGD(bits=4), jc.codecs.OneBit(), jc.codecs.Int8()}
 CONSERVATION = [
     pytest.param(c, marks=() if c in FAST else pytest.mark.slow, id=repr(c).replace(" ", ""))
     for c in (
@@ -154,7 +154,54 @@ def test_error_feedback_conserves_the_gradient_sum(mesh, codec):
 def test_without_error_feedback_the_sum_is_not_conserved(mesh):
     # The same check fails when nothing carries the compression error: it
     # can tell a lossy transformation from a conserving one.
-    assert conservation_error(mesh, jc.codecs.OneBit(), 200, error_feedback=False) > 1e-2
+    assert conservation_error(mesh, jc.codecs.OneBit(), 1000, error_feedback=False) > 1e-2
+
+
+def test_hierarchical_axes_conserve(mesh):
+    mesh2 = jax.make_mesh((2, 4), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    axes = ("node", "local")
+    codec = jc.codecs.QSGD(bits=4)
+    tx = jc.optax.compress_gradients(codec, axes, min_compress_size=512, fusion_bytes=6000)
+    state = jc.optax.init(tx, params0(), mesh2, axes)
+    specs = jc.optax.state_specs(state, axes)
+    assert specs.residuals == (P(axes), P(axes))
+
+    def body(state):
+        d = lax.axis_index(axes)
+
+        def one(state, t):
+            u, state = tx.update(grads_at(t, d), state)
+            return state, u
+
+        return lax.scan(one, state, jnp.arange(1000))
+
+    f = jax.shard_map(body, mesh=mesh2, in_specs=(specs,), out_specs=(specs, P()), check_vma=False)
+    state, updates = jax.jit(f)(state)
+    res = residual_leaves(codec, state)
+    ref = reference_grad_sum(1000)
+    for k in ref:
+        got = N_DEV * np.asarray(updates[k], np.float64).sum(0) + res[k].sum(0)
+        np.testing.assert_allclose(got, ref[k], rtol=0, atol=1e-5 * np.abs(ref[k]).max())
+    # float32 over the fast axis, compressed over the slow one
+    n = 3800
+    assert float(jc.optax.telemetry(state)["wire_bytes"]) > 2 * 3 / 4 * 4 * n
+
+
+def test_bfloat16_gradients_and_residuals(mesh):
+    codec = jc.codecs.Int8(bucket_size=64)
+    params = {"a": jnp.zeros((40, 50), jnp.bfloat16), "c": jnp.zeros(1500)}
+    tx = jc.optax.compress_gradients(codec, AXIS, min_compress_size=512, residual_dtype="bfloat16")
+    plan = jc.optax.make_plan(codec, params, min_compress_size=512, fusion_bytes=1 << 20)
+    assert [(b.dtype.name, b.size) for b in plan.buckets] == [("bfloat16", 2000), ("float32", 1500)]
+    g = device_grads()
+    grads = {"a": g["a"].astype(jnp.bfloat16), "c": g["c"]}
+    updates, state = run_once(mesh, tx, params, grads)
+    assert updates["a"].dtype == jnp.bfloat16 and updates["c"].dtype == jnp.float32
+    assert [r.dtype for r in state.residuals] == [jnp.bfloat16, jnp.bfloat16]
+    exact = exact_mean(mesh, jax.tree.map(lambda a: a.astype(jnp.float32), grads))
+    for k in ("a", "c"):  # Int8: each device off by at most max|x|/254 per bucket
+        err = np.abs(np.asarray(updates[k], np.float32) - np.asarray(exact[k]))
+        assert err.max() <= 0.02 * np.abs(np.asarray(g[k])).max()
 
 
 # ---------------------------------------------------------------------------
@@ -528,8 +575,6 @@ def test_multisteps(mesh):
     grads_list = [device_grads(t) for t in range(4)]
     p_sm, s_sm = shard_map_steps(mesh, tx, params0(), state, grads_list)
     assert int(jc.optax.telemetry(s_sm)["step"]) == 2  # one communication per 2 micro-steps
-    p_pm, _ = pmap_steps(tx, params0(), grads_list)
-    assert_trees_equal(p_sm, jax.tree.map(lambda a: a[0], p_pm))
     # The same as the inner chain on the per-device mean of each pair of micro-steps.
     pairs = [
         jax.tree.map(lambda x, y: (x + y) / 2, grads_list[i], grads_list[i + 1]) for i in (0, 2)

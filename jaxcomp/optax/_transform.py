@@ -33,7 +33,9 @@ class Telemetry(NamedTuple):
       wire_bytes: float32[]: bytes this device sent in the step's
         collectives (the algorithms' per-device send volume: (P-1) x C(n) for
         an allgather, 2 (P-1)/P x C(n) for two-phase and ring, and
-        2 (P-1)/P x n x itemsize for an uncompressed all-reduce).
+        2 (P-1)/P x n x itemsize for an uncompressed all-reduce; for
+        variable-rate codecs and the sparse algorithm, the largest capacity
+        tier, an upper bound).
       compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of all
         the gradients sends per device (ring all-reduce, 2 (P-1)/P x 4 N)
         over ``wire_bytes``; with one device, 32 / ``bits_per_element``.
@@ -192,8 +194,7 @@ def compress_gradients(
       axis_name: the data-parallel mesh / pmap axis; a pair
         ``(slow, fast)`` selects the hierarchical algorithm.
       error_feedback: carry what compression dropped to the next step.
-      algorithm: passed to ``jc.pmean``: "auto", "allgather", "two_phase",
-        "ring" or "hierarchical".
+      algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
       fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
         larger than this is a bucket of its own); None: 64 MiB.
       min_compress_size: leaves with fewer elements are averaged
