@@ -47,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         base = dataclasses.replace(base, steps=args.steps)
     base = dataclasses.replace(base, error_feedback=args.error_feedback)
     ndev = base.num_devices
+    import jaxcomp as jc
+
+    kernels = f"CPU kernels {jc._ffi.cpu_isa()}" if jc.cpu_available() else "pure-JAX codecs"
+    print(f"jaxcomp {jc.__version__} ({kernels})")
     print(
         f"digits CNN (8x8 images, 1437 train / 360 test), {ndev} simulated devices, "
         f"{base.steps} SGD steps of {base.global_batch_size} images, seeds {args.seeds}"
