@@ -38,6 +38,10 @@ def default_codecs() -> list[Codec]:
         c.TernGrad(bucket_size=512),
         c.Natural(bucket_size=512),
         c.Natural(stochastic=False, bucket_size=512),
+        # Variable rate: its speed and size depend on the data (make_input's
+        # heavy-tailed values give long zero runs, as gradients do).
+        c.ThreeLC(sparsity=1.0),
+        c.TopK(fraction=0.01),
         c.Cast("bfloat16"),
         c.Cast("float16"),
     ]
