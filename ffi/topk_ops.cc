@@ -1,5 +1,509 @@
+// TopK sparsification on the CPU (Renggli et al., "SparCML", SC19): the
+// selection rules of jaxcomp/topk.h, run without sorting the tensor.
+//
+// Whole-tensor mode: a key bound from a sample, one pass collecting the
+// elements at or above it, and an exact selection among those
+// (select_whole); where that does not apply, a radix select on the keys in
+// two parallel passes over the input (select_exact): a histogram of the high
+// key bits, then one pass that sets aside the elements above the threshold
+// bin and the candidates inside it; the candidates' low bits settle the
+// threshold.
+//
+// k_per_bucket mode: per bucket, nth_element on a copy of the keys finds T,
+// then one scan in index order emits. Buckets run in parallel.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <cstring>
+#include <vector>
+
 #include "cpu_runtime.h"
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+#include "jaxcomp/topk.h"
 
 namespace jaxcomp {
-std::vector<HandlerEntry> topk_cpu_handlers() { return {}; }
+namespace {
+
+constexpr int64_t kChunk = int64_t{1} << 16;  // elements per counting chunk
+
+// Runs fn(g) for g in [0, groups), one call per group, across the pool.
+template <typename F>
+void for_each_group(ffi::ThreadPool& pool, int64_t groups, const F& fn) {
+  parallel_for(pool, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) fn(g);
+  });
+}
+
+// Largest bin b with #{key bins >= b} >= k, scanning from the top; *above
+// receives #{bins > b}.
+int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
+  int64_t cum = 0;
+  for (int64_t b = static_cast<int64_t>(hist.size()) - 1; b >= 0; --b) {
+    if (cum + hist[b] >= k) {
+      *above = cum;
+      return b;
+    }
+    cum += hist[b];
+  }
+  *above = cum;
+  return 0;
+}
+
+// Whole-tensor selection of k of n (0 < k <= n), in two reads of the input.
+//
+// Pass 1 histograms the high key bits per group of chunks; the bin holding
+// the k-th largest key follows. Pass 2 (per group) copies the elements of
+// higher bins to an "above" list and the indices of the elements in that bin
+// to a candidate list, both in index order and at offsets known from the
+// per-group histograms. The candidates' low key bits (float32) give the exact
+// threshold; the chosen candidates are merged with the above list of each
+// group into the output. The candidate list is as long as the threshold bin
+// (at most n, for an input of one repeated value).
+template <typename W, typename I>
+void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+  if (k == n) {
+    parallel_for(pool, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        idx[i] = static_cast<I>(i);
+        val[i] = x[i];
+      }
+    });
+    return;
+  }
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  auto group_range = [&](int64_t g, int64_t* i0, int64_t* i1) {
+    *i0 = std::min(n, (g * chunks / groups) * kChunk);
+    *i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
+  };
+
+  // Pass 1: high bits.
+  std::vector<std::vector<uint32_t>> hists(groups);
+  for_each_group(pool, groups, [&](int64_t g) {
+    std::vector<uint32_t>& h = hists[g];
+    h.assign(kTopkHiBins, 0);
+    int64_t i0, i1;
+    group_range(g, &i0, &i1);
+    for (int64_t i = i0; i < i1; ++i) ++h[topk_hi<W>(topk_key(x[i]))];
+  });
+  std::vector<int64_t> hist(kTopkHiBins, 0);
+  for (const auto& h : hists)
+    for (int b = 0; b < kTopkHiBins; ++b) hist[b] += h[b];
+  int64_t above = 0;
+  const int64_t bin = find_bin(hist, k, &above);
+  const int64_t need_bin = k - above;
+
+  // Pass 2: the above lists and the candidates, per group.
+  std::vector<int64_t> a_off(groups + 1, 0), c_off(groups + 1, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    int64_t a = 0;
+    for (int64_t b = bin + 1; b < kTopkHiBins; ++b) a += hists[g][b];
+    a_off[g + 1] = a_off[g] + a;
+    c_off[g + 1] = c_off[g] + hists[g][bin];
+  }
+  std::vector<uint32_t> a_idx(above), cand(hist[bin]);
+  std::vector<W> a_val(above);
+  const uint32_t b32 = static_cast<uint32_t>(bin);
+  for_each_group(pool, groups, [&](int64_t g) {
+    int64_t i0, i1;
+    group_range(g, &i0, &i1);
+    int64_t pa = a_off[g], pc = c_off[g];
+    auto visit = [&](int64_t i) {
+      const uint32_t hi = topk_hi<W>(topk_key(x[i]));
+      if (hi > b32) {
+        a_idx[pa] = static_cast<uint32_t>(i);
+        a_val[pa++] = x[i];
+      } else if (hi == b32) {
+        cand[pc++] = static_cast<uint32_t>(i);
+      }
+    };
+    // Most blocks hold nothing at or above the bin: a branch-free (vector)
+    // test per block, the element loop only where it finds something.
+    constexpr int64_t kBlock = 16;
+    int64_t i = i0;
+    for (; i + kBlock <= i1; i += kBlock) {
+      uint32_t hit = 0;
+      for (int64_t j = 0; j < kBlock; ++j) hit |= static_cast<uint32_t>(topk_hi<W>(topk_key(x[i + j])) >= b32);
+      if (hit)
+        for (int64_t j = 0; j < kBlock; ++j) visit(i + j);
+    }
+    for (; i < i1; ++i) visit(i);
+  });
+
+  // The threshold inside the bin: low key bits (always 0 for 16-bit keys).
+  auto lo_of = [&](uint32_t i) -> uint32_t { return sizeof(W) == 4 ? topk_key(x[i]) & 0xffffu : 0u; };
+  int64_t t_lo = 0, need_eq = need_bin;
+  if (sizeof(W) == 4 && need_bin < static_cast<int64_t>(cand.size())) {
+    std::vector<int64_t> lo(kTopkLoBins, 0);
+    for (uint32_t i : cand) ++lo[lo_of(i)];
+    int64_t above_lo = 0;
+    t_lo = find_bin(lo, need_bin, &above_lo);
+    need_eq = need_bin - above_lo;
+  } else if (sizeof(W) == 4) {
+    t_lo = -1;  // the whole bin is taken
+    need_eq = 0;
+  }
+  // Chosen candidates, compacted in place (still in index order), per group.
+  std::vector<int64_t> ch_off(groups + 1, 0);
+  {
+    int64_t p = 0, eq = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t c = c_off[g]; c < c_off[g + 1]; ++c) {
+        const int64_t lo = lo_of(cand[c]);
+        if (lo < t_lo) continue;
+        if (lo == t_lo && eq++ >= need_eq) continue;
+        cand[p++] = cand[c];
+      }
+      ch_off[g + 1] = p;
+    }
+  }
+  // Merge, per group, the above list with the chosen candidates.
+  for_each_group(pool, groups, [&](int64_t g) {
+    int64_t o = a_off[g] + ch_off[g];
+    int64_t a = a_off[g], c = ch_off[g];
+    const int64_t ae = a_off[g + 1], ce = ch_off[g + 1];
+    while (a < ae || c < ce) {
+      if (c == ce || (a < ae && a_idx[a] < cand[c])) {
+        idx[o] = static_cast<I>(a_idx[a]);
+        val[o++] = a_val[a++];
+      } else {
+        idx[o] = static_cast<I>(cand[c]);
+        val[o++] = x[cand[c++]];
+      }
+    }
+  });
+}
+
+// Whole-tensor selection of k of n (0 < k <= n), usually in one read.
+//
+// On a large input, a sample of 256 evenly spaced blocks of 256 elements
+// gives a key bound L that about 1.1 k + a margin elements reach; one pass
+// collects the indices of every element with key >= L (a vector test per 16
+// elements, the element loop only where it finds one); if there are at least
+// k and not many more, the exact k-th largest key among them gives the
+// selection. Otherwise (a sample that misjudged the input, or many equal
+// keys) select_exact decides. Both paths give the same bytes: the sample
+// only picks the path.
+constexpr int64_t kSampleBlocks = 256, kSampleBlock = 256;
+constexpr int64_t kSampleMin = int64_t{1} << 20;
+
+// Bit j set where element j of the 16 at x has key >= bound (bound >= 1).
+template <typename W>
+inline uint32_t block_hits(const W* x, uint32_t bound) {
+  uint32_t hits = 0;
+  for (int j = 0; j < 16; ++j) hits |= static_cast<uint32_t>(topk_key(x[j]) >= bound) << j;
+  return hits;
+}
+
+#if defined(__SSE2__)
+// float32: keys < 2^31, so a signed compare with bound - 1 decides key >= bound.
+template <>
+inline uint32_t block_hits<uint32_t>(const uint32_t* x, uint32_t bound) {
+  const __m128i mask = _mm_set1_epi32(0x7fffffff);
+  const __m128i b = _mm_set1_epi32(static_cast<int32_t>(bound - 1));
+  uint32_t hits = 0;
+  for (int q = 0; q < 4; ++q) {
+    const __m128i v = _mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 4 * q)), mask);
+    hits |= static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(v, b)))) << (4 * q);
+  }
+  return hits;
+}
+
+// 16-bit floats: keys < 2^15, a signed 16-bit compare.
+template <>
+inline uint32_t block_hits<uint16_t>(const uint16_t* x, uint32_t bound) {
+  const __m128i mask = _mm_set1_epi16(0x7fff);
+  const __m128i b = _mm_set1_epi16(static_cast<int16_t>(bound - 1));
+  const __m128i lo = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)), mask), b);
+  const __m128i hi = _mm_cmpgt_epi16(_mm_and_si128(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8)), mask), b);
+  // One bit per element: pack the 16-bit lanes' masks to bytes.
+  return static_cast<uint32_t>(_mm_movemask_epi8(_mm_packs_epi16(lo, hi)));
+}
+#endif
+
+template <typename W, typename I>
+void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+  if (k == n || n < kSampleMin) return select_exact<W, I>(pool, x, n, k, idx, val);
+  const int64_t m = kSampleBlocks * kSampleBlock;
+  std::vector<uint32_t> sample(m);
+  const int64_t stride = n / kSampleBlocks;
+  for (int64_t b = 0; b < kSampleBlocks; ++b)
+    for (int64_t j = 0; j < kSampleBlock; ++j) sample[b * kSampleBlock + j] = topk_key(x[b * stride + j]);
+  const double expect = static_cast<double>(m) * static_cast<double>(k) / static_cast<double>(n);
+  const int64_t r = std::min<int64_t>(m - 1, static_cast<int64_t>(1.1 * expect + 4.0 * std::sqrt(expect) + 8.0));
+  std::nth_element(sample.begin(), sample.begin() + r, sample.end(), std::greater<uint32_t>());
+  const uint32_t bound = sample[r];
+  if (bound == 0) return select_exact<W, I>(pool, x, n, k, idx, val);  // mostly zeros
+
+  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  const int64_t limit = 2 * k + 65536;  // beyond this, select_exact is cheaper
+  // Indices and values of the elements found, per group: the values are
+  // copied while in cache (reading them back later would miss on every one).
+  std::vector<std::vector<uint32_t>> found(groups);
+  std::vector<std::vector<W>> found_val(groups);
+  for_each_group(pool, groups, [&](int64_t g) {
+    const int64_t i0 = std::min(n, (g * chunks / groups) * kChunk);
+    const int64_t i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
+    std::vector<uint32_t>& f = found[g];
+    std::vector<W>& fv = found_val[g];
+    const size_t expect_here = static_cast<size_t>(1.5 * expect * static_cast<double>(i1 - i0) / m) + 64;
+    f.reserve(expect_here);
+    fv.reserve(expect_here);
+    constexpr int64_t kBlock = 16;
+    int64_t i = i0;
+    for (; i + kBlock <= i1; i += kBlock) {
+      uint32_t hits = block_hits(x + i, bound);
+      if (!hits) continue;
+      while (hits) {
+        const int j = __builtin_ctz(hits);
+        hits &= hits - 1;
+        f.push_back(static_cast<uint32_t>(i + j));
+        fv.push_back(x[i + j]);
+      }
+      if (static_cast<int64_t>(f.size()) > limit) return;  // give up early: too many
+    }
+    for (; i < i1; ++i) {
+      if (topk_key(x[i]) >= bound) {
+        f.push_back(static_cast<uint32_t>(i));
+        fv.push_back(x[i]);
+      }
+    }
+  });
+  int64_t total = 0;
+  for (const auto& f : found) total += static_cast<int64_t>(f.size());
+  if (total < k || total > limit) return select_exact<W, I>(pool, x, n, k, idx, val);
+
+  // The k-th largest key among the found: a histogram of their high key
+  // bits, then nth_element inside the bin that holds it.
+  std::vector<int64_t> hist(kTopkHiBins, 0);
+  for (const auto& fv : found_val)
+    for (W v : fv) ++hist[topk_hi<W>(topk_key(v))];
+  int64_t above_bin = 0;
+  const int64_t bin = find_bin(hist, k, &above_bin);
+  std::vector<uint32_t> in_bin;
+  in_bin.reserve(hist[bin]);
+  for (const auto& fv : found_val)
+    for (W v : fv)
+      if (topk_hi<W>(topk_key(v)) == static_cast<uint32_t>(bin)) in_bin.push_back(topk_key(v));
+  const int64_t r_bin = k - above_bin - 1;
+  std::nth_element(in_bin.begin(), in_bin.begin() + r_bin, in_bin.end(), std::greater<uint32_t>());
+  const uint32_t t = in_bin[r_bin];
+  int64_t above = above_bin;
+  for (uint32_t key : in_bin) above += key > t;
+  const int64_t need_eq = k - above;
+
+  // Emit per group, at offsets from per-group counts.
+  std::vector<int64_t> gt(groups), eq(groups);
+  for_each_group(pool, groups, [&](int64_t g) {
+    int64_t a = 0, e = 0;
+    for (W v : found_val[g]) {
+      const uint32_t key = topk_key(v);
+      a += key > t;
+      e += key == t;
+    }
+    gt[g] = a;
+    eq[g] = e;
+  });
+  std::vector<int64_t> out0(groups), eq0(groups);
+  int64_t pos = 0, seen = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    out0[g] = pos;
+    eq0[g] = seen;
+    pos += gt[g] + std::min(eq[g], std::max<int64_t>(0, need_eq - seen));
+    seen += eq[g];
+  }
+  for_each_group(pool, groups, [&](int64_t g) {
+    const std::vector<uint32_t>& f = found[g];
+    const std::vector<W>& fv = found_val[g];
+    int64_t p = out0[g], e = eq0[g];
+    for (size_t j = 0; j < f.size(); ++j) {
+      const uint32_t key = topk_key(fv[j]);
+      if (key < t) continue;
+      if (key == t && e++ >= need_eq) continue;
+      idx[p] = static_cast<I>(f[j]);
+      val[p++] = fv[j];
+    }
+  });
+}
+
+// k of every bucket; the last bucket, of length L < k, emits its L elements
+// and then padding entries with local indices L .. k-1 and value 0.
+template <typename W, typename I>
+void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
+  const int64_t nb = num_buckets(n, bucket);
+  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> keys(bucket);
+    for (int64_t b = b0; b < b1; ++b) {
+      const W* xb = x + b * bucket;
+      const int64_t len = std::min(bucket, n - b * bucket);
+      const int64_t kb = std::min(k, len);
+      I* ib = idx + b * k;
+      W* vb = val + b * k;
+      if (kb == len) {
+        for (int64_t i = 0; i < len; ++i) {
+          ib[i] = static_cast<I>(i);
+          vb[i] = xb[i];
+        }
+        for (int64_t i = len; i < k; ++i) {
+          ib[i] = static_cast<I>(i);
+          vb[i] = 0;
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < len; ++i) keys[i] = topk_key(xb[i]);
+      std::nth_element(keys.begin(), keys.begin() + (kb - 1), keys.begin() + len, std::greater<uint32_t>());
+      const uint32_t t = keys[kb - 1];
+      int64_t above = 0;
+      for (int64_t i = 0; i < len; ++i) above += topk_key(xb[i]) > t;
+      int64_t need_eq = kb - above, p = 0;
+      for (int64_t i = 0; i < len && p < kb; ++i) {
+        const uint32_t key = topk_key(xb[i]);
+        if (key < t) continue;
+        if (key == t && need_eq-- <= 0) continue;
+        ib[p] = static_cast<I>(i);
+        vb[p] = xb[i];
+        ++p;
+      }
+    }
+  });
+}
+
+bool word_size(ffi::DataType t, int* bytes) {
+  DType dt;
+  if (!to_dtype(t, &dt)) return false;
+  *bytes = dt == DType::kF32 ? 4 : 2;
+  return true;
+}
+
+int index_size(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::U8: return 1;
+    case ffi::DataType::U16: return 2;
+    case ffi::DataType::U32: return 4;
+    default: return 0;
+  }
+}
+
+// Runs fn(W{}, I{}) with the storage word and index types.
+template <typename F>
+void with_types(int wbytes, int ibytes, const F& fn) {
+  auto by_index = [&](auto w) {
+    switch (ibytes) {
+      case 1: return fn(w, uint8_t{});
+      case 2: return fn(w, uint16_t{});
+      default: return fn(w, uint32_t{});
+    }
+  };
+  if (wbytes == 4) return by_index(uint32_t{});
+  return by_index(uint16_t{});
+}
+
+// Shared checks of encode and decode; returns an error string or "".
+std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, int ibytes) {
+  if (n >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
+  if (ibytes == 0) return "indices must be uint8, uint16 or uint32";
+  if (bucket == 0) {
+    if (n > 0 && (k < 1 || k > n)) return "k must be in [1, n]";
+    if (n == 0 && k != 0) return "k must be 0 for an empty input";
+    if (entries != k) return "index buffer must have k entries";
+    if (n > 0 && ibytes < 4 && n - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for n";
+  } else {
+    if (!valid_bucket(bucket)) return "bucket_size must be 0 or a power of two in [8, 65536]";
+    if (k < 1 || k > bucket) return "k must be in [1, bucket_size]";
+    if (entries != num_buckets(n, bucket) * k) return "index buffer must have k entries per bucket";
+    if (ibytes < 4 && bucket - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for the bucket";
+  }
+  return "";
+}
+
+ffi::Error TopkEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
+                          ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
+  const char* op = "jaxcomp_topk_encode";
+  int wbytes = 0;
+  if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
+  if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
+  const int ibytes = index_size(indices->element_type());
+  const int64_t n = x.element_count();
+  std::string err = check_config(n, k, bucket, indices->element_count(), ibytes);
+  if (!err.empty()) return invalid(op, err);
+  if (values->element_count() != indices->element_count()) return invalid(op, "values must match indices");
+  if (n == 0) return ffi::Error::Success();
+  with_types(wbytes, ibytes, [&](auto w, auto i) {
+    using W = decltype(w);
+    using I = decltype(i);
+    const W* xd = static_cast<const W*>(x.untyped_data());
+    I* id = static_cast<I*>(indices->untyped_data());
+    W* vd = static_cast<W*>(values->untyped_data());
+    if (bucket == 0) {
+      select_whole<W, I>(pool, xd, n, k, id, vd);
+    } else {
+      select_buckets<W, I>(pool, xd, n, k, bucket, id, vd);
+    }
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error TopkDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+                          ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+  const char* op = "jaxcomp_topk_decode";
+  int wbytes = 0;
+  if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
+  if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
+  const int ibytes = index_size(indices.element_type());
+  const int64_t n = out->element_count();
+  const int64_t entries = indices.element_count();
+  std::string err = check_config(n, k, bucket, entries, ibytes);
+  if (!err.empty()) return invalid(op, err);
+  if (values.element_count() != entries) return invalid(op, "values must match indices");
+  if (n == 0) return ffi::Error::Success();
+  hint_huge_pages(out->untyped_data(), n * wbytes);
+  with_types(wbytes, ibytes, [&](auto w, auto i) {
+    using W = decltype(w);
+    using I = decltype(i);
+    const I* id = static_cast<const I*>(indices.untyped_data());
+    const W* vd = static_cast<const W*>(values.untyped_data());
+    W* od = static_cast<W*>(out->untyped_data());
+    parallel_for(pool, n, kElementsPerTask * 4,
+                 [&](int64_t i0, int64_t i1) { std::memset(od + i0, 0, (i1 - i0) * sizeof(W)); });
+    // Indices outside [0, n) are padding (or, in a malformed payload, noise):
+    // skipped, as the twin's scatter drops them.
+    parallel_for(pool, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t g = topk_global_index(j, id[j], k, bucket);
+        if (g < n) od[g] = vd[j];
+      }
+    });
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::TopkEncodeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()     // x: flat f32/bf16/f16
+                                  .Ret<xla::ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
+                                  .Ret<xla::ffi::AnyBuffer>()     // values: x's dtype
+                                  .Attr<int64_t>("k")             // total (bucket 0) or per bucket
+                                  .Attr<int64_t>("bucket_size"));  // 0: whole tensor
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::TopkDecodeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()     // indices
+                                  .Arg<xla::ffi::AnyBuffer>()     // values
+                                  .Ret<xla::ffi::AnyBuffer>()     // flat output, values' dtype
+                                  .Attr<int64_t>("k")
+                                  .Attr<int64_t>("bucket_size"));
+
+namespace jaxcomp {
+std::vector<HandlerEntry> topk_cpu_handlers() {
+  return {{"jaxcomp_topk_encode", reinterpret_cast<void*>(JaxcompTopkEncode)},
+          {"jaxcomp_topk_decode", reinterpret_cast<void*>(JaxcompTopkDecode)}};
+}
 }  // namespace jaxcomp

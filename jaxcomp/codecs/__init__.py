@@ -12,6 +12,7 @@ from jaxcomp.codecs.onebit import OneBit
 from jaxcomp.codecs.qsgd import QSGD
 from jaxcomp.codecs.terngrad import TernGrad
 from jaxcomp.codecs.threelc import ThreeLC
+from jaxcomp.codecs.topk import TopK
 
 __all__ = [
     "QSGD",
@@ -23,6 +24,7 @@ __all__ = [
     "OneBit",
     "TernGrad",
     "ThreeLC",
+    "TopK",
     "get",
     "names",
 ]
