@@ -41,6 +41,7 @@ def default_codecs() -> list[Codec]:
         # Variable rate: its speed and size depend on the data (make_input's
         # heavy-tailed values give long zero runs, as gradients do).
         c.ThreeLC(sparsity=1.0),
+        c.TopK(fraction=0.01),
         c.Cast("bfloat16"),
         c.Cast("float16"),
     ]

@@ -47,6 +47,10 @@ CONTRACT_CODECS = [
     jc.codecs.ThreeLC(sparsity=1.5),
     # Overflows on most inputs of more than a few hundred elements.
     jc.codecs.ThreeLC(sparsity=1.9, capacity=48),
+    jc.codecs.TopK(fraction=0.01),
+    jc.codecs.TopK(k_per_bucket=(8, 512)),
+    jc.codecs.TopK(k_per_bucket=(3, 8)),
+    jc.codecs.TopK(fraction=0.05, value_codec=jc.codecs.QSGD(bits=4)),
 ]
 
 FLOAT_DTYPES = ["float32", "bfloat16", "float16"]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jaxcomp
-from jaxcomp.codecs import QSGD, Cast, Codec, Int8, Natural, OneBit, TernGrad, ThreeLC
+from jaxcomp.codecs import QSGD, Cast, Codec, Int8, Natural, OneBit, TernGrad, ThreeLC, TopK
 
 
 def _cuda_device() -> jax.Device | None:
@@ -68,6 +68,11 @@ CODECS = [
     ThreeLC(),
     ThreeLC(sparsity=1.75),
     ThreeLC(sparsity=1.5, capacity=64),
+    TopK(fraction=0.01),
+    TopK(fraction=1.0),
+    TopK(k_per_bucket=(8, 512)),
+    TopK(k_per_bucket=(100, 128)),
+    TopK(fraction=0.05, value_codec=QSGD(bits=4)),
 ]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SIZES = [1, 7, 1000, 4099, 70001]
@@ -84,6 +89,14 @@ def _codec_id(codec: Codec) -> str:
         return f"natural-{mode}-B{codec.bucket_size}"
     if isinstance(codec, ThreeLC):
         return f"threelc-s{codec.sparsity}-cap{codec.capacity}"
+    if isinstance(codec, TopK):
+        mode = (
+            f"f{codec.fraction}"
+            if codec.fraction is not None
+            else "k{}-B{}".format(*codec.k_per_bucket)
+        )
+        nested = f"-{_codec_id(codec.value_codec)}" if codec.value_codec is not None else ""
+        return f"topk-{mode}{nested}"
     return f"{codec.name}-B{codec.bucket_size}"
 
 
@@ -201,7 +214,16 @@ def test_grid_stride(codec):
 
 @pytest.mark.parametrize(
     "codec",
-    [QSGD(), OneBit(), Int8(), Cast("float16"), TernGrad(), Natural(stochastic=False)],
+    [
+        QSGD(),
+        OneBit(),
+        Int8(),
+        Cast("float16"),
+        TernGrad(),
+        Natural(stochastic=False),
+        TopK(),
+        TopK(k_per_bucket=(8, 512)),
+    ],
     ids=_codec_id,
 )
 def test_empty_input(codec):
@@ -284,3 +306,23 @@ def test_threelc_corrupted_stream_is_nan_on_gpu():
         want = np.asarray(_decoder(codec, "xla")(q))
         assert np.all(np.isnan(want)), i
         _assert_same(got, want, f"corrupted case {i}")
+
+
+# TopK: ties at the threshold spread over many tiles of the emit kernel, and
+# k that falls inside the ones (0.3) or the twos (0.05); buckets of 65536.
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize(
+    "codec",
+    [TopK(fraction=0.05), TopK(fraction=0.3), TopK(k_per_bucket=(700, 65536))],
+    ids=_codec_id,
+)
+def test_topk_ties_across_tiles(codec, dtype):
+    n = 3 * 65536 + 4099
+    rng = np.random.default_rng(5)
+    x = np.where(rng.random(n) < 0.1, -2.0, 1.0).astype(dtype)
+    runs = {"gpu-ffi": (GPU, "ffi"), "gpu-xla": (GPU, "xla"), "cpu-ffi": (CPU, "ffi")}
+    key = jax.random.key(0)
+    payloads = {name: _encoder(codec, b)(*_on(dev, x, key)) for name, (dev, b) in runs.items()}
+    for name in ("gpu-ffi", "cpu-ffi"):
+        for k in payloads["gpu-xla"].arrays:
+            _assert_same(payloads[name][k], payloads["gpu-xla"][k], f"{name} payload[{k!r}]")

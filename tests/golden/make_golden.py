@@ -86,6 +86,13 @@ CASES = [
     ("threelc", {"sparsity": 1.0}, (37,), "float32", "special"),
     ("threelc", {"sparsity": 1.0}, (0,), "float32", "normal"),
     ("threelc", {"sparsity": 1.0, "capacity": 3}, (300,), "bfloat16", "normal"),
+    ("topk", {"fraction": 0.1}, (37,), "float32", "normal"),
+    ("topk", {"fraction": 0.05}, (3, 100), "bfloat16", "normal"),
+    ("topk", {"fraction": 0.3}, (37,), "float16", "special"),
+    ("topk", {"k_per_bucket": [3, 8]}, (300,), "float16", "normal"),
+    ("topk", {"k_per_bucket": [6, 8]}, (37,), "float32", "special"),
+    ("topk", {"k_per_bucket": [16, 512]}, (1029,), "float32", "normal"),
+    ("topk", {"fraction": 0.01}, (0,), "float32", "normal"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the
