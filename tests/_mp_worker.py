@@ -21,6 +21,10 @@ CASES = [
     ("qsgd", {"bits": 4, "bucket_size": 64}, "two_phase"),
     ("qsgd", {"bits": 4, "bucket_size": 64}, "ring"),
     ("onebit", {}, "two_phase"),
+    # Capacity tiers: a pmax and a lax.switch over collectives, across processes.
+    ("threelc", {"sparsity": 1.0}, "two_phase"),
+    ("topk", {"fraction": 0.01}, "sparse"),  # static sparse all-reduce
+    ("topk", {"fraction": 0.4}, "sparse"),  # DSAR_Split_allgather
 ]
 N = 1000
 

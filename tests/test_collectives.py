@@ -259,3 +259,139 @@ def test_hierarchical_compresses_only_over_the_slow_axis(mesh2d):
 def test_hierarchical_needs_two_axes(mesh):
     with pytest.raises(ValueError, match="hierarchical"):
         _run(mesh, jc.codecs.Int8(), "hierarchical", jnp.ones((N_DEV, 8)))
+
+
+# ---------------------------------------------------------------------------
+# Sparse (TopK) and variable-rate (ThreeLC) payloads
+# ---------------------------------------------------------------------------
+def _sparse_input(n, density=0.1, seed=0):
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    mask = jax.random.uniform(k1, (N_DEV, n)) < density
+    return jax.random.laplace(k2, (N_DEV, n)) * mask
+
+
+def _decoded_sum(codec, x):
+    """Sum over devices of each device's own decode(encode(x_d)) (deterministic codecs)."""
+    rows = [np.asarray(codec.decode(codec.encode(x[d])), np.float64) for d in range(x.shape[0])]
+    return np.sum(rows, axis=0)
+
+
+TOPKS = [
+    jc.codecs.TopK(fraction=0.01),  # static sparse all-reduce
+    jc.codecs.TopK(fraction=0.3),  # DSAR_Split_allgather (too dense for the static one)
+    jc.codecs.TopK(k_per_bucket=(8, 512)),
+]
+
+
+@pytest.mark.parametrize("alg", ["sparse", "allgather", "auto"])
+@pytest.mark.parametrize("codec", TOPKS, ids=repr)
+def test_sparse_algorithms_sum_the_kept_pairs(mesh, codec, alg):
+    x = _sparse_input(5000)
+    _, (v, s) = _run(mesh, codec, alg, x)
+    v, s = np.asarray(v, np.float64), np.asarray(s, np.float64)
+    assert np.all(v == v[0])
+    np.testing.assert_allclose(v[0], _decoded_sum(codec, x), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(s.sum(0), v[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_rule_follows_density(mesh):
+    n = 5000
+    assert jcc.choose_algorithm(TOPKS[0], n, N_DEV) == "sparse"
+    assert jc.collectives._sparse.static_fits(TOPKS[0], n, jnp.float32, N_DEV)
+    assert not jc.collectives._sparse.static_fits(TOPKS[1], n, jnp.float32, N_DEV)
+
+
+@pytest.mark.parametrize("fn", [jcc.psum, jcc.pmean], ids=["psum", "pmean"])
+def test_sparse_split_with_quantized_dense_stage_conserves(mesh, fn):
+    """SparCML section 6: the owned ranges travel QSGD-quantized; the owner
+    carries that error, so sent still adds up to the result."""
+    codec = jc.codecs.TopK(fraction=0.3, value_codec=jc.codecs.QSGD(bits=4, bucket_size=64))
+    x = _sparse_input(4096, density=0.5, seed=3)
+    _, (v, s) = _run(mesh, codec, "sparse", x, fn=fn)
+    v, s = np.asarray(v, np.float64), np.asarray(s, np.float64)
+    assert np.all(v == v[0])
+    scale = N_DEV if fn is jcc.pmean else 1
+    np.testing.assert_allclose(s.sum(0), scale * v[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sparse_needs_topk(mesh):
+    with pytest.raises(ValueError, match="TopK"):
+        _run(mesh, jc.codecs.QSGD(bits=4), "sparse", jnp.ones((N_DEV, 64)))
+
+
+def test_sparse_static_bytes_match_the_accounting(mesh):
+    codec, n = TOPKS[0], 1 << 14
+    x = jax.random.normal(jax.random.key(0), (N_DEV, n))
+    g, _ = _run(mesh, codec, "sparse", x)
+    measured = _collective_bytes(g.lower(x, KEY).compile().as_text(), N_DEV)
+    assert measured == jcc.operand_nbytes(codec, (n,), jnp.float32, N_DEV, "sparse")
+    assert measured["all-gather"] * (N_DEV - 1) < 2 * (N_DEV - 1) / N_DEV * 4 * n / 10
+
+
+THREELCS = [jc.codecs.ThreeLC(sparsity=1.0), jc.codecs.ThreeLC(sparsity=1.75)]
+
+
+@pytest.mark.parametrize("alg", ALGS)
+@pytest.mark.parametrize("codec", THREELCS, ids=repr)
+def test_variable_rate_identical_and_conserving(mesh, codec, alg):
+    x = _sparse_input(3001, density=0.2, seed=1)
+    _, (v, s) = _run(mesh, codec, alg, x)
+    v, s = np.asarray(v, np.float64), np.asarray(s, np.float64)
+    assert np.all(v == v[0])
+    np.testing.assert_allclose(s.sum(0), v[0], rtol=1e-5, atol=1e-5)
+    if alg == "allgather":  # one compression: exactly the sum of the decodes
+        np.testing.assert_allclose(v[0], _decoded_sum(codec, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("density", [0.0, 0.01, 1.0])
+def test_capacity_tiers_never_truncate(mesh, density):
+    """Whatever tier the data lands in (all zeros, sparse, dense), the result
+    is the sum of the full-capacity decodes."""
+    codec = jc.codecs.ThreeLC(sparsity=1.0)
+    x = _sparse_input(10000, density=density, seed=2)
+    _, (v, _) = _run(mesh, codec, "allgather", x)
+    np.testing.assert_allclose(np.asarray(v[0]), _decoded_sum(codec, x), rtol=1e-6, atol=1e-6)
+
+
+def test_capacity_tiers_in_the_hlo(mesh):
+    """The compiled program holds one all-gather per tier, each moving a
+    buffer of that tier's capacity: the bytes on the wire follow the data."""
+    codec, n = jc.codecs.ThreeLC(sparsity=1.0), 1 << 14
+    caps = jcc.tier_capacities(codec, n)
+    assert caps[-1] == codec.stream_capacity(n) and caps[0] == -(-caps[-1] // 14)
+    x = jax.random.normal(jax.random.key(0), (N_DEV, n))
+    g, _ = _run(mesh, codec, "allgather", x)
+    hlo = g.lower(x, KEY).compile().as_text()
+    u8 = {int(d) for d in re.findall(r"u8\[8,(\d+)\][^=]*all-gather\(", hlo)}
+    assert u8 - {1} == set(caps)  # u8[1]: the overflow flag
+
+
+@pytest.mark.parametrize("data", ["zeros", "signs"])
+def test_wire_log_shows_the_tier_taken(mesh, data):
+    """All zeros: the smallest tier (the stream shrinks 14-fold); random
+    signs of one magnitude: no zero trit at all, the full size."""
+    codec, n = jc.codecs.ThreeLC(sparsity=1.0), 1 << 14
+    caps = jcc.tier_capacities(codec, n)
+    if data == "zeros":
+        x = jnp.zeros((N_DEV, n))
+    else:
+        x = jnp.sign(jax.random.normal(jax.random.key(4), (N_DEV, n)))
+    with jcc.wire_log() as log:
+        _, out = _run(mesh, codec, "allgather", x)
+        jax.block_until_ready(out)
+    assert len(log) == N_DEV and {k for k, _ in log} == {"all-gather"}
+    cap = caps[0] if data == "zeros" else caps[-1]
+    want = jc.codecs.ThreeLC(sparsity=1.0, capacity=cap).wire_nbytes((n,))
+    assert {b for _, b in log} == {want}
+
+
+def test_wire_log_of_fixed_rate_equals_the_accounting(mesh):
+    codec, n = jc.codecs.QSGD(bits=4, bucket_size=512), 1 << 14
+    x = jax.random.normal(jax.random.key(0), (N_DEV, n))
+    with jcc.wire_log() as log:
+        jax.block_until_ready(_run(mesh, codec, "two_phase", x)[1])
+    per_device: dict[str, int] = {}
+    for kind, b in log:
+        per_device[kind] = per_device.get(kind, 0) + b
+    per_device = {k: v // N_DEV for k, v in per_device.items()}
+    assert per_device == jcc.operand_nbytes(codec, (n,), jnp.float32, N_DEV, "two_phase")

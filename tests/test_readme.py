@@ -19,10 +19,12 @@ def test_usage_example_runs():
 
 def test_collectives_doc_example_runs():
     doc = README.parent / "docs" / "collectives.md"
-    block = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[0]
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     scope: dict = {}
-    exec(compile(block, str(doc), "exec"), scope)
+    for block in blocks:  # one session: later blocks use earlier names
+        exec(compile(block, str(doc), "exec"), scope)
     assert scope["mean"].shape == (4096,) and scope["sent"].shape == (8, 4096)
+    assert len(blocks) == 2 and len(scope["log"]) > 0
 
 
 def test_training_doc_example_runs():

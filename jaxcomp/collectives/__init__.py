@@ -23,5 +23,15 @@ from jaxcomp.collectives._core import (
     pmean,
     psum,
 )
+from jaxcomp.collectives._util import tier_capacities, wire_log
 
-__all__ = ["ALGORITHMS", "Reduced", "choose_algorithm", "operand_nbytes", "pmean", "psum"]
+__all__ = [
+    "ALGORITHMS",
+    "Reduced",
+    "choose_algorithm",
+    "operand_nbytes",
+    "pmean",
+    "psum",
+    "tier_capacities",
+    "wire_log",
+]

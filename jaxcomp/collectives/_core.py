@@ -10,9 +10,23 @@ import numpy as np
 from jax import lax
 
 from jaxcomp.codecs.base import Codec
+from jaxcomp.collectives import _sparse
+from jaxcomp.collectives._util import (
+    axis_size,
+    chunk_len,
+    chunked,
+    decode_all,
+    decode_rows,
+    device_key,
+    fold,
+    ordered_sum,
+    padded,
+    split,
+    transfer,
+)
 from jaxcomp.payload import Payload
 
-ALGORITHMS = ("auto", "allgather", "two_phase", "ring", "hierarchical")
+ALGORITHMS = ("auto", "allgather", "two_phase", "ring", "sparse", "hierarchical")
 
 
 class Reduced(NamedTuple):
@@ -32,113 +46,21 @@ class Reduced(NamedTuple):
 
 
 # ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-def _axis_size(axis_name) -> int:
-    try:
-        return int(lax.axis_size(axis_name))
-    except NameError as e:
-        raise ValueError(
-            f"jc.psum: axis name {axis_name!r} is not bound here; call it inside jax.shard_map "
-            "or jax.pmap over a mesh axis of that name"
-        ) from e
-
-
-def _device_key(codec: Codec, key, axis_name) -> jax.Array | None:
-    """A key per device (stochastic codecs): the caller's key folded with the
-    device's index, so devices draw independent bits."""
-    if not codec.stochastic:
-        return None
-    if key is None:
-        raise ValueError(f"jc.psum: {codec!r} is stochastic and needs key=")
-    return jax.random.fold_in(key, lax.axis_index(axis_name))
-
-
-def _fold(key, i: int | jax.Array):
-    return None if key is None else jax.random.fold_in(key, i)
-
-
-def _decode_all(codec: Codec, arrays: dict[str, jax.Array], n: int, dtype) -> jax.Array:
-    """Decodes a stack of payloads (leading axis) into float32 [stack, n]."""
-
-    def one(arrs):
-        return codec.decode(Payload(codec, (n,), dtype, arrs)).astype(jnp.float32)
-
-    return jax.vmap(one)(arrays)
-
-
-def _ordered_sum(rows: jax.Array) -> jax.Array:
-    """Sum over the leading axis, left to right: the same order everywhere."""
-    total = rows[0]
-    for i in range(1, rows.shape[0]):
-        total = total + rows[i]
-    return total
-
-
-def _chunked(flat: jax.Array, parts: int) -> tuple[jax.Array, int]:
-    c = -(-flat.size // parts) if flat.size else 0
-    return jnp.pad(flat, (0, parts * c - flat.size)).reshape(parts, c), c
-
-
-def _as_bits(a: jax.Array) -> jax.Array:
-    # XLA's CPU backend widens 16-bit float collectives to float32 (twice the
-    # bytes, plus conversion passes); payloads travel as their bit patterns.
-    if a.dtype in (jnp.bfloat16, jnp.float16):
-        return lax.bitcast_convert_type(a, jnp.uint16)
-    return a
-
-
-def _exchange(op, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Applies a collective to every payload array, moving raw bits."""
-    out = {}
-    for k, a in arrays.items():
-        b = op(_as_bits(a))
-        out[k] = b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
-    return out
-
-
-def _chunk_len(codec: Codec, n: int, parts: int) -> int:
-    """Elements per chunk when ``n`` values are split over ``parts`` devices:
-    ceil(n / parts), rounded up to the codec's split granularity, so that one
-    encoding of the whole padded tensor splits into per-chunk payloads."""
-    c = -(-n // parts) if n else 0
-    g = codec.split_granularity()
-    return -(-c // g) * g if g else c
-
-
-def _padded(flat: jax.Array, total: int) -> jax.Array:
-    return flat if flat.size == total else jnp.pad(flat, (0, total - flat.size))
-
-
-def _split(arrays: dict[str, jax.Array], parts: int) -> dict[str, jax.Array]:
-    """One payload's arrays as ``parts`` stacked payloads (leading axis)."""
-    return {k: a.reshape(parts, a.shape[0] // parts, *a.shape[1:]) for k, a in arrays.items()}
-
-
-def _join(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Stacked payloads (leading axis) as the arrays of one payload."""
-    return {k: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for k, a in arrays.items()}
-
-
-def _decode_rows(codec: Codec, arrays: dict[str, jax.Array], n: int, dtype) -> jax.Array:
-    """Decodes stacked payloads of ``n`` values each into float32 [stack, n]:
-    one decode of the joined payload where the codec splits at ``n``, else
-    one decode per payload."""
-    g = codec.split_granularity()
-    if g and n % g == 0:
-        rows = next(iter(arrays.values())).shape[0]
-        joined = Payload(codec, (rows * n,), dtype, _join(arrays))
-        return codec.decode(joined).astype(jnp.float32).reshape(rows, n)
-    return _decode_all(codec, arrays, n, dtype)
-
-
-# ---------------------------------------------------------------------------
 # Algorithms. Each takes the flat input and returns (sum float32, sent float32).
 # ---------------------------------------------------------------------------
 def _allgather(codec, flat, axis_name, size, key, div):
+    n, dtype = flat.size, flat.dtype
     p = codec.encode(flat, key)
-    gathered = _exchange(lambda a: lax.all_gather(a, axis_name), p.arrays)
-    total = _ordered_sum(_decode_rows(codec, gathered, flat.size, flat.dtype))
+    total = transfer(
+        codec,
+        p.arrays,
+        n,
+        dtype,
+        axis_name,
+        "all-gather",
+        lambda a: lax.all_gather(a, axis_name),
+        lambda ck, arrs: ordered_sum(decode_rows(ck, arrs, n, dtype)),
+    )
     sent = codec.decode(p).astype(jnp.float32)
     return (total if div == 1 else total / div), sent
 
@@ -151,25 +73,41 @@ def _two_phase(codec, flat, axis_name, size, key, div):
     n, dtype = flat.size, flat.dtype
     if codec.split_granularity():
         # One encoding of the whole tensor, cut into per-owner payloads.
-        c = _chunk_len(codec, n, size)
-        p = codec.encode(_padded(flat, size * c), key)
-        payloads = _split(p.arrays, size)
+        c = chunk_len(codec, n, size)
+        p = codec.encode(padded(flat, size * c), key)
+        payloads = split(p.arrays, size)
         stage1 = codec.decode(p).astype(jnp.float32)  # my chunks as their owners see them
     else:
-        chunks, c = _chunked(flat, size)
+        chunks, c = chunked(flat, size)
         if key is None:
             payloads = jax.vmap(lambda x: codec.encode(x).arrays)(chunks)
         else:
             keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
             payloads = jax.vmap(lambda x, k: codec.encode(x, k).arrays)(chunks, keys)
-        stage1 = _decode_all(codec, payloads, c, dtype).reshape(-1)
-    received = _exchange(lambda a: lax.all_to_all(a, axis_name, 0, 0), payloads)
-    mine = _ordered_sum(_decode_rows(codec, received, c, dtype))  # my chunk, summed
+        stage1 = decode_all(codec, payloads, c, dtype).reshape(-1)
+    mine = transfer(  # my chunk, summed over the devices
+        codec,
+        payloads,
+        c,
+        dtype,
+        axis_name,
+        "all-to-all",
+        lambda a: lax.all_to_all(a, axis_name, 0, 0),
+        lambda ck, arrs: ordered_sum(decode_rows(ck, arrs, c, dtype)),
+    )
     target = mine if div == 1 else mine / div
-    p2 = codec.encode(target.astype(dtype), _fold(key, size))
+    p2 = codec.encode(target.astype(dtype), fold(key, size))
     final_mine = codec.decode(p2).astype(jnp.float32)
-    gathered = _exchange(lambda a: lax.all_gather(a, axis_name), p2.arrays)
-    total = _decode_rows(codec, gathered, c, dtype).reshape(-1)[:n]
+    total = transfer(
+        codec,
+        p2.arrays,
+        c,
+        dtype,
+        axis_name,
+        "all-gather",
+        lambda a: lax.all_gather(a, axis_name),
+        lambda ck, arrs: decode_rows(ck, arrs, c, dtype).reshape(-1)[:n],
+    )
     # Error feedback: the second stage's error on my chunk (in units of the
     # sum) is mine to carry.
     error = final_mine - mine if div == 1 else final_mine * div - mine
@@ -188,28 +126,51 @@ def _ring(codec, flat, axis_name, size, key, div):
     compression error is charged to its ``sent``; in the allgather each
     reduced chunk is compressed once by its owner and forwarded as is."""
     me = lax.axis_index(axis_name)
-    chunks, c = _chunked(flat, size)
+    dtype = flat.dtype
+    chunks, c = chunked(flat, size)
     acc = chunks.astype(jnp.float32)
     sent = acc
     perm = [(d, (d + 1) % size) for d in range(size)]
+
+    def hop(arrays):
+        """One ppermute hop: (the received chunk decoded, its payload arrays
+        at the codec's own capacity, ready to forward)."""
+
+        def consume(ck, arrs):
+            got = ck.decode(Payload(ck, (c,), dtype, arrs)).astype(jnp.float32)
+            if ck != codec:  # a capacity tier: back to the codec's own buffer size
+                arrs = ck.with_capacity(Payload(ck, (c,), dtype, arrs), codec.stream_capacity(c))
+                arrs = arrs.arrays
+            return got, arrs
+
+        return transfer(
+            codec,
+            arrays,
+            c,
+            dtype,
+            axis_name,
+            "collective-permute",
+            lambda a: lax.ppermute(a, axis_name, perm),
+            consume,
+        )
+
     for s in range(size - 1):
         j = (me - s) % size  # chunk I send
         partial = lax.dynamic_index_in_dim(acc, j, keepdims=False)
-        p = codec.encode(partial.astype(flat.dtype), _fold(key, s))
+        p = codec.encode(partial.astype(dtype), fold(key, s))
         hat = codec.decode(p).astype(jnp.float32)
         sent = lax.dynamic_update_index_in_dim(
             sent, lax.dynamic_index_in_dim(sent, j, keepdims=False) + (hat - partial), j, 0
         )
-        recv = _exchange(lambda a: lax.ppermute(a, axis_name, perm), p.arrays)
+        got, _ = hop(p.arrays)
         r = (me - 1 - s) % size  # chunk I receive
-        got = codec.decode(Payload(codec, (c,), flat.dtype, recv)).astype(jnp.float32)
         acc = lax.dynamic_update_index_in_dim(
             acc, lax.dynamic_index_in_dim(acc, r, keepdims=False) + got, r, 0
         )
     own = (me + 1) % size
     reduced = lax.dynamic_index_in_dim(acc, own, keepdims=False)
     target = reduced if div == 1 else reduced / div
-    p = codec.encode(target.astype(flat.dtype), _fold(key, size))
+    p = codec.encode(target.astype(dtype), fold(key, size))
     hat = codec.decode(p).astype(jnp.float32)
     error = hat - reduced if div == 1 else hat * div - reduced
     sent = lax.dynamic_update_index_in_dim(
@@ -218,14 +179,18 @@ def _ring(codec, flat, axis_name, size, key, div):
     out = lax.dynamic_update_index_in_dim(jnp.zeros_like(acc), hat, own, 0)
     arrays = p.arrays
     for s in range(size - 1):
-        arrays = _exchange(lambda a: lax.ppermute(a, axis_name, perm), arrays)
+        got, arrays = hop(arrays)
         r = (me - s) % size  # the owner of this payload is me - 1 - s; it owns chunk me - s
-        got = codec.decode(Payload(codec, (c,), flat.dtype, arrays)).astype(jnp.float32)
         out = lax.dynamic_update_index_in_dim(out, got, r, 0)
     return out.reshape(-1)[: flat.size], sent.reshape(-1)[: flat.size]
 
 
-_IMPLS = {"allgather": _allgather, "two_phase": _two_phase, "ring": _ring}
+_IMPLS = {
+    "allgather": _allgather,
+    "two_phase": _two_phase,
+    "ring": _ring,
+    "sparse": _sparse.sparse,
+}
 
 
 def _reduce(codec, flat, axis_name, algorithm, key, div=1):
@@ -235,7 +200,7 @@ def _reduce(codec, flat, axis_name, algorithm, key, div=1):
     ``div`` (pmean) is applied before the last compression, where the
     algorithm has one, so the mean costs no extra pass; ``sent`` stays in
     units of the sum."""
-    size = _axis_size(axis_name)
+    size = axis_size(axis_name)
     if size == 1:
         if div == 1:
             sent = codec.decode(codec.encode(flat, key)).astype(jnp.float32)
@@ -254,7 +219,7 @@ def _hierarchical(codec, flat, slow, fast, key, div=1):
     of this device's chunk over ``slow`` (by the ``auto`` rule), then an
     all-gather over ``fast``. The slow stage's error on a chunk is charged to
     the device that owns the chunk within its node."""
-    chunks, _ = _chunked(flat.astype(jnp.float32), _axis_size(fast))
+    chunks, _ = chunked(flat.astype(jnp.float32), axis_size(fast))
     mine = lax.psum_scatter(chunks, fast, scatter_dimension=0, tiled=True)[0]  # summed over fast
     reduced, sent_mine = _reduce(codec, mine.astype(flat.dtype), slow, "auto", key, div)
     total = lax.all_gather(reduced, fast, tiled=True)[: flat.size]
@@ -265,13 +230,18 @@ def _hierarchical(codec, flat, slow, fast, key, div=1):
 def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     """The rule behind ``algorithm="auto"``.
 
-    Two devices: ``allgather`` (the same bytes as two-phase, one compression
-    instead of two). More: ``two_phase``, whose bytes per device stay near
-    2 (P-1)/P of one compressed tensor where ``allgather`` receives (P-1)
-    of them, with two compressions where the ring needs P. Tiny tensors
-    (fewer values than devices) use ``allgather``.
+    - Sparse codecs (TopK): ``sparse``, SparCML's algorithms (static sparse
+      all-reduce or DSAR_Split_allgather by the density rule of its section
+      5.1: see :func:`jaxcomp.collectives._sparse.static_fits`).
+    - Otherwise, two devices, or fewer values than devices: ``allgather``
+      (the same bytes as two-phase, one compression instead of two).
+    - Otherwise ``two_phase``, whose bytes per device stay near 2 (P-1)/P of
+      one compressed tensor where ``allgather`` receives (P-1) of them, with
+      two compressions where the ring needs P. This holds for variable-rate
+      codecs (ThreeLC) too, whose payloads travel in capacity tiers.
     """
-    del codec
+    if axis_size > 1 and n > 0 and _sparse.is_sparse(codec):
+        return "sparse"
     if axis_size <= 2 or n < axis_size:
         return "allgather"
     return "two_phase"
@@ -292,9 +262,9 @@ def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool) -> Reduced:
                 f"axis_name={axis_name!r}, algorithm={algorithm!r}"
             )
         slow, fast = axis_name
-        sizes = [_axis_size(name) for name in axis_name]  # clear error for an unbound name
+        sizes = [axis_size(name) for name in axis_name]  # clear error for an unbound name
         div = int(np.prod(sizes)) if mean else 1
-        key = _device_key(codec, key, axis_name)
+        key = device_key(codec, key, axis_name)
         total, sent = _hierarchical(codec, flat, slow, fast, key, div)
     elif algorithm == "hierarchical":
         raise ValueError(
@@ -302,9 +272,9 @@ def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool) -> Reduced:
             "e.g. ('node', 'local')"
         )
     else:
-        size = _axis_size(axis_name)  # a clear error for an unbound name
+        size = axis_size(axis_name)  # a clear error for an unbound name
         div = size if mean else 1
-        key = _device_key(codec, key, axis_name)
+        key = device_key(codec, key, axis_name)
         total, sent = _reduce(codec, flat, axis_name, algorithm, key, div)
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape))
 
@@ -347,15 +317,28 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto") -> R
 def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -> dict[str, int]:
     """Bytes this device hands to each kind of collective, as the compiled
     HLO shows them (the operands of all-gather / all-to-all /
-    collective-permute), for an input of ``shape`` and ``dtype``."""
+    collective-permute), for an input of ``shape`` and ``dtype``.
+
+    Variable-rate codecs and the split sparse algorithm move their payloads
+    in capacity tiers chosen at run time; for them this is the largest tier
+    (an upper bound; :func:`tier_capacities` lists the tiers)."""
     n = int(np.prod(shape, dtype=np.int64))
     if algorithm == "auto":
         algorithm = choose_algorithm(codec, n, axis_size)
     if axis_size == 1:
         return {}
+    if algorithm == "sparse":
+        if _sparse.static_fits(codec, n, dtype, axis_size):
+            return {"all-gather": codec.wire_nbytes((n,), dtype)}
+        c = -(-n // axis_size)
+        m = _sparse.entries(codec, n)
+        pair = _sparse.topk_ops.index_dtype(c + 1).itemsize + np.dtype(dtype).itemsize
+        vc = codec.value_codec
+        dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
+        return {"all-to-all": axis_size * m * pair, "all-gather": dense}
     c = -(-n // axis_size) if n else 0
     if algorithm == "two_phase":
-        c = _chunk_len(codec, n, axis_size)
+        c = chunk_len(codec, n, axis_size)
     chunk = codec.wire_nbytes((c,), dtype)
     if algorithm == "hierarchical":
         raise ValueError(
