@@ -9,8 +9,9 @@
 // bin and the candidates inside it; the candidates' low bits settle the
 // threshold.
 //
-// k_per_bucket mode: per bucket, nth_element on a copy of the keys finds T,
-// then one scan in index order emits. Buckets run in parallel.
+// k_per_bucket mode: per bucket, a 256-bin histogram of the top key bits
+// finds the bin of the k-th largest key and nth_element among that bin's keys
+// finds T; then one scan in index order emits. Buckets run in parallel.
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -335,7 +336,7 @@ template <typename W, typename I>
 void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   const int64_t nb = num_buckets(n, bucket);
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
-    std::vector<uint32_t> keys(bucket);
+    std::vector<uint32_t> keys(bucket), cand(bucket);
     for (int64_t b = b0; b < b1; ++b) {
       const W* xb = x + b * bucket;
       const int64_t len = std::min(bucket, n - b * bucket);
@@ -353,14 +354,27 @@ void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int
         }
         continue;
       }
-      for (int64_t i = 0; i < len; ++i) keys[i] = topk_key(xb[i]);
-      std::nth_element(keys.begin(), keys.begin() + (kb - 1), keys.begin() + len, std::greater<uint32_t>());
-      const uint32_t t = keys[kb - 1];
+      // The bin of the kb-th largest key in a 256-bin histogram of the top
+      // key bits, then nth_element among that bin's keys only.
+      constexpr int kShift = sizeof(W) == 4 ? 23 : 7;
+      uint32_t hist[256] = {0};
+      for (int64_t i = 0; i < len; ++i) {
+        keys[i] = topk_key(xb[i]);
+        ++hist[keys[i] >> kShift];
+      }
       int64_t above = 0;
-      for (int64_t i = 0; i < len; ++i) above += topk_key(xb[i]) > t;
+      int bin = 255;
+      for (; bin > 0 && above + hist[bin] < kb; --bin) above += hist[bin];
+      int64_t m = 0;
+      for (int64_t i = 0; i < len; ++i)
+        if ((keys[i] >> kShift) == static_cast<uint32_t>(bin)) cand[m++] = keys[i];
+      const int64_t r = kb - above - 1;
+      std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + m, std::greater<uint32_t>());
+      const uint32_t t = cand[r];
+      for (int64_t j = 0; j < m; ++j) above += cand[j] > t;
       int64_t need_eq = kb - above, p = 0;
       for (int64_t i = 0; i < len && p < kb; ++i) {
-        const uint32_t key = topk_key(xb[i]);
+        const uint32_t key = keys[i];
         if (key < t) continue;
         if (key == t && need_eq-- <= 0) continue;
         ib[p] = static_cast<I>(i);
