@@ -228,8 +228,6 @@ def compress_gradients(
         raise ValueError(
             f"{_WHO}: residual_dtype must be a floating dtype, got {residual_dtype.name}"
         )
-    if not isinstance(codec, Codec) and not callable(codec) and codec is not None:
-        jax.tree.leaves(codec, is_leaf=lambda x: x is None or isinstance(x, Codec))
     error_feedback = bool(error_feedback)
 
     def plan_for(tree) -> Plan:
