@@ -1,11 +1,11 @@
 """Pieces both examples share: the ``--codec`` parser, the mesh, the gradient
-transformation (plain or compressed all-reduce), the progress bar.
+transformation (plain or compressed all-reduce), the data-parallel training
+loop, the progress bar and the command-line flags.
 
-The examples keep their training state per device, stacked on a leading axis
-of length ``num_devices`` and sharded over the ``"data"`` mesh axis: every
-device holds the parameters (identical on every device, because every device
-applies the same all-reduced update) and its own optimizer state (the error
-feedback residual differs from device to device).
+The parameters are replicated over the ``"data"`` mesh axis (every device
+applies the same all-reduced update); the optimizer state is laid out by
+``jc.optax.init``: each device's error-feedback residual is its own row of an
+array sharded over ``"data"``, the rest replicated (docs/training.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import dataclasses
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 AXIS = "data"
@@ -334,9 +334,6 @@ def log_line(step: int, metrics: dict[str, float]) -> str:
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
-
-
-Printer = Callable[[str], None]
 
 
 def add_flags(ap) -> None:
