@@ -184,6 +184,7 @@ def test_codec_ids_are_the_documented_ones():
         "cast": 4,
         "terngrad": 5,
         "natural": 6,
+        "threelc": 7,
         "topk": 8,
     }
 
