@@ -26,25 +26,11 @@ from jaxcomp.payload import Payload
 
 
 def default_codecs() -> list[Codec]:
+    """The configurations users pick of every registered codec
+    (``examples()``), Identity (no kernel: the baseline) aside."""
     from jaxcomp import codecs as c
 
-    return [
-        c.QSGD(bits=2, bucket_size=128),
-        c.QSGD(bits=4, bucket_size=512),
-        c.QSGD(bits=8, bucket_size=512),
-        c.QSGD(bits=4, bucket_size=512, norm="l2"),
-        c.OneBit(bucket_size=64),
-        c.Int8(bucket_size=512),
-        c.TernGrad(bucket_size=512),
-        c.Natural(bucket_size=512),
-        c.Natural(stochastic=False, bucket_size=512),
-        # Variable rate: its speed and size depend on the data (make_input's
-        # heavy-tailed values give long zero runs, as gradients do).
-        c.ThreeLC(sparsity=1.0),
-        c.TopK(fraction=0.01),
-        c.Cast("bfloat16"),
-        c.Cast("float16"),
-    ]
+    return [codec for cls in c.registered() if cls is not c.Identity for codec in cls.examples()]
 
 
 @dataclasses.dataclass

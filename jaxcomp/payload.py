@@ -53,6 +53,13 @@ class Payload:
             int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in self._arrays.values()
         )
 
+    def map(self, fn) -> Payload:
+        """The payload with ``fn`` applied to every array (same codec,
+        shape and dtype): e.g. a collective that adds a leading axis."""
+        return Payload(
+            self.codec, self.shape, self.dtype, {k: fn(a) for k, a in self._arrays.items()}
+        )
+
     @property
     def used_nbytes(self) -> jax.Array:
         """Bytes actually used, as a traced int32 scalar.

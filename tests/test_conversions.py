@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jaxcomp as jc
-from jaxcomp.ops.cast import cast
+from jaxcomp.codecs.cast import cast
 
 pytestmark = pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not built")
 

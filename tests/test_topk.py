@@ -1,6 +1,6 @@
 """TopK (SparCML, SC19): exact selection against a plain numpy reference,
 both backends byte-identical, nested value codecs, wire round trips, and the
-sparse-pair helpers of jaxcomp.ops.topk."""
+sparse pairs (the SparseCodec protocol) and the sparse scatter-add."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 from helpers import assert_same_bytes, assert_same_payload, decode, encode, gradient_like
 
 import jaxcomp as jc
-from jaxcomp.ops import topk as ops
+from jaxcomp.codecs.base import Codec
+from jaxcomp.collectives._sparse import scatter_add
 
 TopK = jc.codecs.TopK
 KEY = jax.random.key(3)
@@ -366,12 +367,12 @@ def test_nested_value_codec(vc, mode):
     # The kept values decode as the value codec decodes them.
     values = q["values"]
     expect = vc.decode(vc.encode(values, KEY))
-    got = c.decode_values(p)
+    got = c.values(p)
     assert_same_bytes(got, expect, "nested decode")
     # ... and land at the kept indices, zero elsewhere.
     y = np.asarray(c.decode(p))
-    g, v = ops.sparse_pairs(p)
-    dense = np.asarray(ops.scatter_add(g, v, x.size))
+    g, v = p.codec.pairs(p)
+    dense = np.asarray(scatter_add(g, v, x.size))
     np.testing.assert_allclose(y, dense, rtol=0, atol=_TINY)  # subnormals may flush
     # Wire: the nested codec is rebuilt from the params.
     r = jc.wire.from_bytes(jc.wire.to_bytes(p))
@@ -387,7 +388,7 @@ def test_qsgd_values_within_bound():
     c = TopK(fraction=0.05, value_codec=jc.codecs.QSGD(bits=4, bucket_size=512))
     p = c.encode(x, KEY)
     v = np.asarray(TopK(fraction=0.05).encode(x)["values"], np.float32)
-    got = np.asarray(c.decode_values(p), np.float32)
+    got = np.asarray(c.values(p), np.float32)
     s = 7  # 2^(bits-1) - 1 levels
     for b0 in range(0, v.size, 512):
         scale = np.max(np.abs(v[b0 : b0 + 512]))
@@ -459,7 +460,7 @@ def test_sparse_pairs_batched(codec):
     n = 1003  # the last bucket of 16 is 11 long, of 8 3 long: padding entries
     xs = jnp.stack([gradient_like(n, seed=s) for s in range(5)]).reshape(5, 1, n)
     ps = jax.vmap(jax.vmap(lambda x: codec.encode(x)))(xs)
-    g, v = jax.jit(ops.sparse_pairs)(ps)
+    g, v = jax.jit(codec.pairs)(ps)
     m = ps["indices"].shape[-1]
     assert g.shape == (5, 1, m) and g.dtype == jnp.int32 and v.dtype == jnp.float32
     pad = np.asarray(g) == n
@@ -473,7 +474,7 @@ def test_sparse_pairs_batched(codec):
         dense = np.asarray(codec.decode(p), np.float32)
         # float32 additions: XLA's CPU flushes the subnormals among the values.
         np.testing.assert_allclose(
-            np.asarray(ops.scatter_add(g[i], v[i], n)), dense, rtol=0, atol=_TINY
+            np.asarray(scatter_add(g[i], v[i], n)), dense, rtol=0, atol=_TINY
         )
         assert np.count_nonzero(~pad[i]) == real.size
     if codec.k_per_bucket is not None:
@@ -481,7 +482,7 @@ def test_sparse_pairs_batched(codec):
         expected_pad = max(0, k - n % bucket) if n % bucket else 0
         assert np.count_nonzero(pad[0]) == expected_pad > 0
     # Sum over the batch: the sparse all-gather reduction.
-    total = np.asarray(jax.jit(ops.scatter_add, static_argnums=2)(g, v, n))
+    total = np.asarray(jax.jit(scatter_add, static_argnums=2)(g, v, n))
     expect = sum(np.asarray(codec.decode(codec.encode(xs[i, 0])), np.float64) for i in range(5))
     np.testing.assert_allclose(total, expect, rtol=1e-6, atol=1e-6 * np.max(np.abs(expect)))
 
@@ -489,7 +490,7 @@ def test_sparse_pairs_batched(codec):
 def test_scatter_add_sums_duplicates_and_drops_padding():
     idx = jnp.array([[0, 2, 5], [2, 3, 5]], jnp.int32)
     val = jnp.array([[1.0, 2.0, 9.0], [3.0, 4.0, 7.0]], jnp.float32)
-    out = ops.scatter_add(idx, val, 5)  # index 5 == n: padding
+    out = scatter_add(idx, val, 5)  # index 5 == n: padding
     np.testing.assert_array_equal(np.asarray(out), [1.0, 0.0, 5.0, 4.0, 0.0])
 
 
@@ -498,6 +499,11 @@ def test_kernel_rejects_bad_attributes():
         pytest.skip("CPU kernels not built")
     x = jnp.ones(100)
     with pytest.raises(Exception, match="k must be"):
-        ops.encode(x, k=101, bucket=0, backend="ffi")
+        _topk_kernel(x, 101, 0)
     with pytest.raises(Exception, match="bucket_size"):
-        ops.encode(x, k=2, bucket=12, backend="ffi")
+        _topk_kernel(x, 2, 12)
+
+
+def _topk_kernel(x, k, bucket):
+    results = (jax.ShapeDtypeStruct((k,), jnp.uint8), jax.ShapeDtypeStruct((k,), x.dtype))
+    return Codec.kernel("ffi", "jaxcomp_topk_encode", None, (x,), results, k=k, bucket_size=bucket)

@@ -1,30 +1,39 @@
 """Codecs: frozen, hashable configs with pure ``encode``/``decode``.
 
-Every codec passes the contract suite in tests/test_codec_contract.py.
+One module per codec (``jaxcomp/codecs/<name>.py``); importing this package
+imports all of them, and every codec class they register is an attribute of
+this package (``jc.codecs.QSGD``, ...). The protocol they follow is in
+:mod:`jaxcomp.codecs.base`; every codec passes the contract suite in
+tests/test_codec_contract.py.
 """
 
-from jaxcomp.codecs.base import Codec, get, names
-from jaxcomp.codecs.cast import Cast
-from jaxcomp.codecs.identity import Identity
-from jaxcomp.codecs.int8 import Int8
-from jaxcomp.codecs.natural import Natural
-from jaxcomp.codecs.onebit import OneBit
-from jaxcomp.codecs.qsgd import QSGD
-from jaxcomp.codecs.terngrad import TernGrad
-from jaxcomp.codecs.threelc import ThreeLC
-from jaxcomp.codecs.topk import TopK
+from jaxcomp.codecs.base import (
+    BucketedCodec,
+    Codec,
+    Rate,
+    SparseCodec,
+    VariableRateCodec,
+    get,
+    import_all,
+    names,
+    registered,
+)
+
+import_all()
+globals().update({cls.__name__: cls for cls in registered()})
 
 __all__ = [
-    "QSGD",
-    "Cast",
+    "BucketedCodec",
     "Codec",
-    "Identity",
-    "Int8",
-    "Natural",
-    "OneBit",
-    "TernGrad",
-    "ThreeLC",
-    "TopK",
+    "Rate",
+    "SparseCodec",
+    "VariableRateCodec",
     "get",
     "names",
+    "registered",
+    *(cls.__name__ for cls in registered()),
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,8 +1,39 @@
-"""The codec contract: a frozen, hashable config with pure encode/decode."""
+"""The codec protocol: what every codec declares and implements.
+
+A codec is a frozen, hashable config (usable as a static argument) with pure
+``encode``/``decode``. Besides the two functions it *declares* what it is,
+and every layer above reads the declaration instead of guessing from
+attributes:
+
+- :attr:`Codec.rate`, a :class:`Rate`: how the size of its payload behaves,
+  which decides how the collectives move it (fixed-size payloads; one
+  fixed-capacity buffer of variable length, moved in capacity tiers; sparse
+  index/value pairs, moved by SparCML's algorithms; or linear payloads that
+  can be summed on the wire).
+- :meth:`Codec.arrays`, its payload layout: the name, element count and dtype
+  of every array for a tensor of ``n`` elements. It is the one place a
+  payload size is written in Python: the kernel calls take their output
+  shapes from it, ``decode`` and the wire format check payloads against it,
+  and the byte accounting of the collectives, the optax telemetry and the
+  HLO tests derive from it (:meth:`Codec.wire_nbytes`).
+- :meth:`Codec.split_granularity`, whether a payload can be cut into the
+  payloads of consecutive chunks (and stacked payloads decoded as one).
+- The protocol of its rate kind: :class:`VariableRateCodec` and
+  :class:`SparseCodec` add the methods their collectives need.
+
+Each codec lives in one file, ``jaxcomp/codecs/<name>.py``: the config, its
+layout, the calls of its FFI kernels and their pure-JAX twins (the oracle the
+kernels are tested against, byte for byte). Importing :mod:`jaxcomp.codecs`
+imports every module of the package and registers every codec class it
+defines, by name and by wire id.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import re
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -10,14 +41,38 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp._ffi import resolve_backend
+from jaxcomp.ops._dispatch import dispatch, ffi_call
 from jaxcomp.ops.rng import seed_words
 from jaxcomp.payload import Payload
 
 SUPPORTED_DTYPES = (np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-_MAX_ELEMENTS = (1 << 32) - 1
+MAX_ELEMENTS = (1 << 32) - 1
 
 _REGISTRY: dict[str, type[Codec]] = {}
 _BY_ID: dict[int, type[Codec]] = {}
+
+
+class Rate(enum.Enum):
+    """What a codec's payload is, as the collectives see it.
+
+    - ``FIXED``: every array's size is a function of the tensor's shape;
+      the payload is moved as it is (allgather, two-phase, ring).
+    - ``VARIABLE``: the payload holds one fixed-capacity buffer of a stream
+      whose length depends on the data (3LC's zero-run encoding); the
+      collectives agree on the longest stream and move the payload in the
+      smallest capacity tier that holds it (:class:`VariableRateCodec`).
+    - ``SPARSE``: the payload is index/value pairs; the collectives use
+      SparCML's sparse all-reduce algorithms (:class:`SparseCodec`).
+    - ``LINEAR``: payloads are all-reducible: the element-wise sum of the
+      payload arrays of several tensors is the payload of their sum (a
+      linear map, with any randomness shared by every device), so the
+      collectives sum the payloads with one ``psum`` and decode once.
+    """
+
+    FIXED = "fixed"
+    VARIABLE = "variable"
+    SPARSE = "sparse"
+    LINEAR = "linear"
 
 
 def register(cls: type[Codec]) -> type[Codec]:
@@ -29,13 +84,9 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def get(name: str, **params: Any) -> Codec:
-    """A codec by its name (``"qsgd"``, ``"onebit"``, ...) and parameters."""
-    try:
-        cls = _REGISTRY[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; known: {sorted(_REGISTRY)}") from None
-    return cls(**params)
+def registered() -> tuple[type[Codec], ...]:
+    """Every registered codec class, by wire id."""
+    return tuple(_BY_ID[k] for k in sorted(_BY_ID))
 
 
 def names() -> list[str]:
@@ -44,7 +95,70 @@ def names() -> list[str]:
 
 
 def by_id(codec_id: int) -> type[Codec] | None:
+    """The codec class of a wire id, or None."""
     return _BY_ID.get(codec_id)
+
+
+_ALIASES = {"bf16": ("cast", {"dtype": "bfloat16"}), "fp16": ("cast", {"dtype": "float16"})}
+_ALIASES["bfloat16"] = _ALIASES["bf16"]
+_ALIASES["float16"] = _ALIASES["f16"] = _ALIASES["fp16"]
+
+
+def _parse_value(text: str) -> Any:
+    t = text.strip()
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    if re.fullmatch(r"\d+x\d+", low):
+        return tuple(int(v) for v in low.split("x"))
+    return t
+
+
+def get(name: str, **params: Any) -> Codec:
+    """A codec by name and parameters, or by a spec string.
+
+    Args:
+      name: a codec name (``"qsgd"``, ``"onebit"``, ...: see :func:`names`),
+        an alias (``"bf16"``, ``"fp16"``), or a spec string
+        ``"name:key=value,key=value"`` (e.g. ``"qsgd:bits=4,bucket_size=512"``,
+        ``"topk:k_per_bucket=8x512"``).
+      **params: the codec's parameters (they override those of the string).
+    Returns:
+      The codec, equal to the one its class would construct.
+    Raises:
+      ValueError: an unknown name, with the known ones listed; or a bad
+        parameter, as the codec's constructor reports it.
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"jc.codecs.get: name must be a string, got {type(name).__name__}")
+    head, _, rest = name.partition(":")
+    spec: dict[str, Any] = {}
+    if rest.strip():
+        for item in rest.split(","):
+            key, eq, value = item.partition("=")
+            if not eq or not key.strip():
+                raise ValueError(
+                    f"jc.codecs.get: cannot read {item!r} in {name!r}; write name:key=value,..."
+                )
+            spec[key.strip()] = _parse_value(value)
+    head = head.strip().lower()
+    if head in _ALIASES:
+        head, alias_params = _ALIASES[head]
+        spec = {**alias_params, **spec}
+    try:
+        cls = _REGISTRY[head]
+    except KeyError:
+        raise ValueError(
+            f"jc.codecs.get: unknown codec {head!r}; known: {names()} (aliases: {sorted(_ALIASES)})"
+        ) from None
+    return cls(**{**spec, **params})
 
 
 def check_int(owner: str, name: str, value: Any, allowed: str, ok: bool) -> None:
@@ -54,54 +168,74 @@ def check_int(owner: str, name: str, value: Any, allowed: str, ok: bool) -> None
 
 
 def check_bucket_size(owner: str, bucket_size: Any) -> None:
+    """Bucket sizes are powers of two in [8, 65536] (whole bytes of 1-bit codes)."""
     ok = isinstance(bucket_size, (int, np.integer)) and 8 <= bucket_size <= 65536
     ok = ok and (int(bucket_size) & (int(bucket_size) - 1)) == 0
     check_int(owner, "bucket_size", bucket_size, "a power of two in [8, 65536]", ok)
 
 
-class BucketSizeWire:
-    """Wire parameters of a codec configured by ``bucket_size`` alone."""
+def num_buckets(n: int, bucket: int) -> int:
+    """Buckets of ``bucket`` values covering ``n`` (the last one zero padded)."""
+    return -(-n // bucket)
 
-    bucket_size: int
 
-    def wire_params(self) -> tuple[int, ...]:
-        return (self.bucket_size,)
+def index_dtype(limit: int) -> np.dtype:
+    """The smallest unsigned integer dtype holding every index in ``[0, limit)``."""
+    for dt in (np.uint8, np.uint16):
+        if limit <= 1 << (8 * np.dtype(dt).itemsize):
+            return np.dtype(dt)
+    return np.dtype(np.uint32)
 
-    @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        (bucket_size,) = params
-        return cls(bucket_size=bucket_size)
+
+def array(count: int, dtype: Any) -> jax.ShapeDtypeStruct:
+    """One payload array of the layout: ``count`` elements of ``dtype``."""
+    return jax.ShapeDtypeStruct((int(count),), np.dtype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)
 class Codec:
-    """Base class of every codec.
+    """Base class of every codec (see the module docstring for the protocol).
 
-    Subclasses are frozen dataclasses (hashable, usable as static arguments)
-    and define ``name``, ``codec_id``, ``stochastic``, ``layout``, ``_encode``,
-    ``_decode`` and the wire parameter round trip.
+    A subclass is a frozen (``kw_only``) dataclass decorated with
+    :func:`register`, and defines:
+
+    - ``name``, ``codec_id`` (its permanent wire id), ``rate`` and
+      ``stochastic`` (class variables; ``stochastic`` may be a property when
+      it depends on the config);
+    - :meth:`arrays`, its payload layout;
+    - ``_encode(flat, key, backend)``, returning the payload arrays in
+      layout order, and ``_decode(payload, backend)``, returning the flat
+      tensor: both through :meth:`kernel` (FFI kernel or pure-JAX twin);
+    - :meth:`wire_params` / :meth:`from_wire_params` when its config is not
+      just integer fields, and :meth:`split_granularity` where it applies;
+    - :meth:`examples`, configurations for the tests and benchmarks.
     """
 
     name: ClassVar[str]
     codec_id: ClassVar[int]
+    rate: ClassVar[Rate] = Rate.FIXED
     stochastic: ClassVar[bool] = False
 
     # -- to be provided by each codec ------------------------------------
-    def layout(self, shape: tuple[int, ...], dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
-        """Names, shapes and dtypes of the payload arrays for an input."""
+    def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
+        """The payload layout for a tensor of ``n`` elements of ``dtype``:
+        every array's name, element count and dtype, in wire order."""
         raise NotImplementedError
 
-    def _encode(
-        self, flat: jax.Array, seed: jax.Array | None, backend: str
-    ) -> dict[str, jax.Array]:
+    def _encode(self, flat: jax.Array, key: jax.Array | None, backend: str) -> Sequence[jax.Array]:
         raise NotImplementedError
 
-    def _decode(self, payload: Payload, n: int, dtype: np.dtype, backend: str) -> jax.Array:
+    def _decode(self, payload: Payload, backend: str) -> jax.Array:
         raise NotImplementedError
 
-    def wire_params(self) -> tuple[int, ...]:
-        """The configuration as integers, for the wire header."""
-        raise NotImplementedError
+    @classmethod
+    def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
+        """Configurations of this codec: the ones users pick (the first is
+        the recommended one), and with ``coverage=True`` more that between
+        them take every code path (small and odd buckets, modes, nested
+        codecs). The contract suite runs the coverage set; the benchmarks
+        and the demo the first set."""
+        return (cls(),)
 
     def split_granularity(self) -> int | None:
         """``g`` such that the payload of ``k * g`` values is, array by array,
@@ -111,36 +245,91 @@ class Codec:
         ``g`` exists (a whole-tensor packing or scale)."""
         return None
 
+    def wire_params(self) -> tuple[int, ...]:
+        """The configuration as int64s, for the wire header: by default the
+        dataclass fields in order, which must then all be ints or bools."""
+        out = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, np.integer, bool, np.bool_)):
+                raise TypeError(f"{type(self).__name__} must define wire_params for {f.name}")
+            out.append(int(v))
+        return tuple(out)
+
     @classmethod
     def from_wire_params(cls, params: tuple[int, ...]) -> Codec:
-        raise NotImplementedError
+        """The codec of :meth:`wire_params` (the inverse; validated)."""
+        fields = dataclasses.fields(cls)
+        if len(params) != len(fields):
+            raise ValueError(
+                f"{cls.__name__}: expected {len(fields)} wire params, got {len(params)}"
+            )
+        kwargs = {}
+        for f, p in zip(fields, params, strict=True):
+            kwargs[f.name] = bool(p) if f.type in ("bool", bool) else int(p)
+            if f.type in ("bool", bool) and p not in (0, 1):
+                raise ValueError(f"{cls.__name__}: {f.name} must be 0 or 1, got {p}")
+        return cls(**kwargs)
 
-    def bits_per_element(
-        self, shape: tuple[int, ...] = (1 << 20,), dtype: Any = jnp.float32
-    ) -> float:
-        """Wire bits per input element for an input of this shape (default 2^20)."""
-        n = int(np.prod(shape, dtype=np.int64))
-        return 8.0 * self.wire_nbytes(shape, dtype) / max(n, 1)
+    # -- derived from the layout -------------------------------------------
+    def layout(self, shape: tuple[int, ...], dtype: Any = jnp.float32):
+        """The payload layout (:meth:`arrays`) for a tensor of this shape."""
+        return self.arrays(int(np.prod(shape, dtype=np.int64)), np.dtype(dtype))
 
-    # -- shared machinery --------------------------------------------------
     def wire_nbytes(self, shape: tuple[int, ...], dtype: Any = jnp.float32) -> int:
-        """Bytes on the wire for an input of this shape and dtype (static)."""
+        """Bytes on the wire for a tensor of this shape and dtype (static;
+        for variable-rate codecs, the whole capacity)."""
         return sum(
             int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize
             for s in self.layout(tuple(shape), dtype).values()
         )
 
+    def bits_per_element(
+        self, shape: tuple[int, ...] = (1 << 20,), dtype: Any = jnp.float32
+    ) -> float:
+        """Wire bits per input element for a tensor of this shape (default 2^20)."""
+        n = int(np.prod(shape, dtype=np.int64))
+        return 8.0 * self.wire_nbytes(shape, dtype) / max(n, 1)
+
     def used_nbytes(self, payload: Payload) -> jax.Array:
+        """Bytes of ``payload`` that carry data (traced int32); all of them
+        but for variable-rate codecs."""
         return jnp.asarray(payload.nbytes, jnp.int32)
 
+    def payload(self, arrays: Any, shape: tuple[int, ...], dtype: Any) -> Payload:
+        """A :class:`~jaxcomp.Payload` of this codec from its arrays (a
+        sequence in layout order, or a mapping), checked against the layout
+        (arrays may carry extra leading batch axes)."""
+        layout = self.layout(tuple(shape), dtype)
+        if not isinstance(arrays, dict):
+            arrays = dict(zip(layout, arrays, strict=True))
+        if list(arrays) != list(layout):
+            raise ValueError(
+                f"{type(self).__name__}: payload arrays {list(arrays)}, expected {list(layout)}"
+            )
+        for k, spec in layout.items():
+            a = arrays[k]
+            if tuple(a.shape[a.ndim - 1 :]) != tuple(spec.shape) or np.dtype(a.dtype) != np.dtype(
+                spec.dtype
+            ):
+                raise ValueError(
+                    f"{type(self).__name__}: payload array {k!r} is "
+                    f"{np.dtype(a.dtype).name}{list(a.shape)}, expected "
+                    f"{np.dtype(spec.dtype).name}{list(spec.shape)}"
+                )
+        return Payload(self, shape, dtype, arrays)
+
+    # -- encode / decode ---------------------------------------------------
     def check_input(self, x: Any) -> jax.Array:
+        """``x`` as an array, with a TypeError for an unsupported dtype and
+        a ValueError past the size limit."""
         x = jnp.asarray(x)
         if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{type(self).__name__}.encode: unsupported dtype {np.dtype(x.dtype).name}; "
                 "expected float32, bfloat16 or float16"
             )
-        if x.size > _MAX_ELEMENTS:
+        if x.size > MAX_ELEMENTS:
             raise ValueError(
                 f"{type(self).__name__}.encode: inputs are limited to 2^32 - 1 elements"
             )
@@ -154,17 +343,14 @@ class Codec:
           key: a JAX PRNG key; required by stochastic codecs, ignored otherwise.
           backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
         Returns:
-          A :class:`~jaxcomp.Payload` with static shapes.
+          A :class:`~jaxcomp.Payload` with static shapes (:meth:`arrays`).
         """
         x = self.check_input(x)
         backend = resolve_backend(backend)
-        seed = None
-        if self.stochastic:
-            if key is None:
-                raise ValueError(f"{type(self).__name__} is stochastic: encode needs a PRNG key")
-            seed = seed_words(key)
-        arrays = self._encode(x.reshape(-1), seed, backend)
-        return Payload(self, x.shape, x.dtype, arrays)
+        if self.stochastic and key is None:
+            raise ValueError(f"{type(self).__name__} is stochastic: encode needs a PRNG key")
+        arrays = self._encode(x.reshape(-1), key if self.stochastic else None, backend)
+        return self.payload(tuple(arrays), x.shape, x.dtype)
 
     def decode(self, payload: Payload, *, backend: str = "auto") -> jax.Array:
         """Decodes a payload of this codec to the original shape and dtype."""
@@ -174,8 +360,7 @@ class Codec:
             )
         if payload.codec != self:
             raise ValueError(f"{self!r}.decode got a payload of {payload.codec!r}")
-        expected = self.layout(payload.shape, payload.dtype)
-        for k, spec in expected.items():
+        for k, spec in self.layout(payload.shape, payload.dtype).items():
             a = payload[k]
             if tuple(a.shape) != tuple(spec.shape) or np.dtype(a.dtype) != np.dtype(spec.dtype):
                 raise ValueError(
@@ -183,6 +368,117 @@ class Codec:
                     f"{np.dtype(a.dtype).name}{list(a.shape)}, expected "
                     f"{np.dtype(spec.dtype).name}{list(spec.shape)} (batched payloads: use jax.vmap)"
                 )
-        backend = resolve_backend(backend)
-        out = self._decode(payload, payload.size, payload.dtype, backend)
+        out = self._decode(payload, resolve_backend(backend))
         return out.reshape(payload.shape)
+
+    # -- for the codecs' own use ---------------------------------------------
+    @staticmethod
+    def seed(key: jax.Array | None) -> jax.Array:
+        """The two uint32 seed words the kernels and twins draw bits from
+        (zeros for a deterministic call)."""
+        return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
+
+    @staticmethod
+    def kernel(
+        backend: str,
+        target: str,
+        twin: Callable[..., Sequence[jax.Array]],
+        args: Sequence[jax.Array],
+        results: Sequence[jax.ShapeDtypeStruct],
+        scratch: Sequence[jax.ShapeDtypeStruct] = (),
+        **attrs: int,
+    ) -> tuple[jax.Array, ...]:
+        """Runs the FFI target ``target`` (results of the given shapes,
+        integer attributes) or its pure-JAX ``twin`` on ``args``, as
+        ``backend`` says (:func:`jaxcomp.ops._dispatch.dispatch`).
+        ``scratch``: work buffers the kernel takes as extra results after
+        ``results``, dropped from what it returns (the twin has none)."""
+        results = tuple(results)
+
+        def run_kernel(*a):
+            return ffi_call(target, results + tuple(scratch), *a, **attrs)[: len(results)]
+
+        return dispatch(backend, run_kernel, lambda *a: tuple(twin(*a)), *args)
+
+    @staticmethod
+    def output(payload: Payload) -> jax.ShapeDtypeStruct:
+        """The flat decoded tensor's shape and dtype."""
+        return jax.ShapeDtypeStruct((payload.size,), payload.dtype)
+
+
+class BucketedCodec(Codec):
+    """A codec over independent buckets of ``bucket_size`` values (a field
+    of the subclass): its payloads split at bucket boundaries."""
+
+    bucket_size: int
+
+    def num_buckets(self, n: int) -> int:
+        return num_buckets(n, self.bucket_size)
+
+    def split_granularity(self) -> int | None:
+        return self.bucket_size
+
+
+class VariableRateCodec(Codec):
+    """Protocol of ``Rate.VARIABLE`` codecs: the payload has one
+    fixed-capacity byte buffer (:meth:`stream_capacity`) holding a stream whose
+    length depends on the data. The collectives agree on the longest stream
+    (:meth:`stream_length`), move every payload in the smallest of
+    :meth:`capacity_tiers` that holds it (:meth:`with_capacity`), and decode
+    at that capacity; nothing is ever truncated, since the last tier is the
+    codec's own capacity, which every stream fits."""
+
+    rate: ClassVar[Rate] = Rate.VARIABLE
+
+    def stream_capacity(self, n: int) -> int:
+        """Bytes of the stream buffer for ``n`` elements."""
+        raise NotImplementedError
+
+    def stream_length(self, payload: Payload) -> jax.Array:
+        """Bytes of the complete stream (int32, any leading axes): the
+        smallest capacity that holds it."""
+        raise NotImplementedError
+
+    def with_capacity(self, payload: Payload, nbytes: int) -> Payload:
+        """The payload with its buffer cut or zero-padded to ``nbytes``, as a
+        payload of the codec configured with that capacity; marked
+        overflowed (never silently truncated) when the stream does not fit."""
+        raise NotImplementedError
+
+    def capacity_tiers(self, n: int) -> tuple[int, ...]:
+        """The static capacities a payload of ``n`` values may travel in,
+        ascending; the last is :meth:`stream_capacity` (the codec's own)."""
+        return (self.stream_capacity(n),)
+
+
+class SparseCodec(Codec):
+    """Protocol of ``Rate.SPARSE`` codecs: the payload is ``entries(n)``
+    index/value pairs (values possibly through a nested fixed-rate
+    ``value_codec``, which the sparse all-reduce also uses for its dense
+    stage)."""
+
+    rate: ClassVar[Rate] = Rate.SPARSE
+    value_codec: Codec | None
+
+    def entries(self, n: int) -> int:
+        """Index/value pairs in the payload of ``n`` values."""
+        raise NotImplementedError
+
+    def pairs(self, payload: Payload, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+        """``(indices, values)``: global flat int32 indices and float32
+        values, ``[..., entries]`` (any leading axes of the payload kept);
+        entries that carry nothing read index ``n`` and value 0."""
+        raise NotImplementedError
+
+
+def import_all() -> None:
+    """Imports every module of :mod:`jaxcomp.codecs` (which registers the
+    codec classes they define)."""
+    import importlib
+    import pkgutil
+
+    import jaxcomp.codecs as pkg
+
+    for mod in pkgutil.iter_modules(pkg.__path__):
+        if not mod.name.startswith("_") and mod.name != "base":
+            importlib.import_module(f"jaxcomp.codecs.{mod.name}")

@@ -1,4 +1,8 @@
-"""Cast: send values as 16-bit floats (round to nearest even)."""
+"""Cast: send values as 16-bit floats (round to nearest even).
+
+Kernels: ffi/include/jaxcomp/cast.h (bodies), ffi/cast.cc, cuda/cast.cu; the
+twin is XLA's own conversion.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, register
-from jaxcomp.ops import cast as ops
+from jaxcomp.codecs.base import Codec, array, register
 
 _TARGETS = ("bfloat16", "float16")
 
@@ -22,6 +25,9 @@ class Cast(Codec):
 
     float16 overflows to +-inf above 65504; bfloat16 keeps float32's range
     with 8 significant bits.
+
+    Args:
+      dtype: "bfloat16" (default) or "float16".
     """
 
     dtype: str = "bfloat16"
@@ -41,18 +47,21 @@ class Cast(Codec):
             raise ValueError(f"Cast: dtype must be one of {_TARGETS}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", value)
 
+    @classmethod
+    def examples(cls, *, coverage=False):
+        return (cls("bfloat16"), cls("float16"))
+
     def split_granularity(self):
         return 1  # independent values
 
-    def layout(self, shape, dtype=jnp.float32):
-        n = int(np.prod(shape, dtype=np.int64))
-        return {"values": jax.ShapeDtypeStruct((n,), jnp.dtype(self.dtype))}
+    def arrays(self, n, dtype):
+        return {"values": array(n, self.dtype)}
 
-    def _encode(self, flat, seed, backend):
-        return {"values": ops.cast(flat, self.dtype, backend=backend)}
+    def _encode(self, flat, key, backend):
+        return (cast(flat, self.dtype, backend=backend),)
 
-    def _decode(self, payload, n, dtype, backend):
-        return ops.cast(payload["values"], dtype, backend=backend)
+    def _decode(self, payload, backend):
+        return cast(payload["values"], payload.dtype, backend=backend)
 
     def wire_params(self):
         return (_TARGETS.index(self.dtype),)
@@ -63,3 +72,21 @@ class Cast(Codec):
         if not 0 <= target < len(_TARGETS):
             raise ValueError(f"Cast: dtype code must be 0 (bfloat16) or 1 (float16), got {target}")
         return cls(_TARGETS[target])
+
+
+def cast(x: jax.Array, dtype, *, backend: str = "auto") -> jax.Array:
+    """``x`` converted to ``dtype`` (float32, bfloat16 or float16), same shape,
+    rounding to nearest even: the FFI target ``jaxcomp_cast``, whose twin is
+    ``astype``."""
+    dtype = jnp.dtype(dtype)
+    if x.dtype == dtype:
+        return x
+    flat = x.reshape(-1)
+    out = Codec.kernel(
+        backend,
+        "jaxcomp_cast",
+        lambda f: (f.astype(dtype),),
+        (flat,),
+        (jax.ShapeDtypeStruct(flat.shape, dtype),),
+    )[0]
+    return out.reshape(x.shape)

@@ -3,40 +3,31 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from jaxcomp.codecs.base import Codec, register
+from jaxcomp.codecs.base import Codec, Rate, array, register
 
 
 @register
 @dataclasses.dataclass(frozen=True)
 class Identity(Codec):
     """Sends the tensor as it is. It has no kernel: both backends are the
-    same reshape, so they agree trivially."""
+    same reshape, so they agree trivially. Its payloads are linear (the sum
+    of two payloads is the payload of the sum), so the collectives reduce it
+    with one plain ``psum``."""
 
     name: ClassVar[str] = "identity"
     codec_id: ClassVar[int] = 0
+    rate: ClassVar[Rate] = Rate.LINEAR
 
     def split_granularity(self):
         return 1  # independent values
 
-    def layout(self, shape, dtype=jnp.float32):
-        n = int(np.prod(shape, dtype=np.int64))
-        return {"values": jax.ShapeDtypeStruct((n,), jnp.dtype(dtype))}
+    def arrays(self, n, dtype):
+        return {"values": array(n, dtype)}
 
-    def _encode(self, flat, seed, backend):
-        return {"values": flat}
+    def _encode(self, flat, key, backend):
+        return (flat,)
 
-    def _decode(self, payload, n, dtype, backend):
+    def _decode(self, payload, backend):
         return payload["values"]
-
-    def wire_params(self):
-        return ()
-
-    @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        return cls()

@@ -3,6 +3,7 @@
 The "8-bit int" baseline of Lim et al., "3LC: Lightweight and Effective
 Traffic Compression for Distributed Machine Learning" (SysML 2019),
 section 5.1: scale = max|v| / 127, round to nearest.
+Kernels: ffi/include/jaxcomp/int8.h (bodies), ffi/int8.cc, cuda/int8.cu.
 """
 
 from __future__ import annotations
@@ -14,14 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
-from jaxcomp.ops import int8 as ops
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Int8(BucketSizeWire, Codec):
+class Int8(BucketedCodec):
     """``q = round(v * 127 / max|v|)`` in [-127, 127] (ties to even), one
     float32 ``max|v|`` per bucket; decodes to ``q * max|v| / 127``.
 
@@ -37,26 +37,49 @@ class Int8(BucketSizeWire, Codec):
     def __post_init__(self):
         check_bucket_size("Int8", self.bucket_size)
 
-    def split_granularity(self):
-        return self.bucket_size  # independent buckets
+    @classmethod
+    def examples(cls, *, coverage=False):
+        return (cls(), cls(bucket_size=64)) if coverage else (cls(),)
 
-    def layout(self, shape, dtype=jnp.float32):
-        nb = bk.num_buckets(int(np.prod(shape, dtype=np.int64)), self.bucket_size)
-        return {
-            "q": jax.ShapeDtypeStruct((nb * self.bucket_size,), jnp.int8),
-            "scales": jax.ShapeDtypeStruct((nb,), jnp.float32),
-        }
+    def arrays(self, n, dtype):
+        nb = self.num_buckets(n)
+        return {"q": array(nb * self.bucket_size, np.int8), "scales": array(nb, np.float32)}
 
-    def _encode(self, flat, seed, backend):
-        q, scales = ops.encode(flat, bucket=self.bucket_size, backend=backend)
-        return {"q": q, "scales": scales}
-
-    def _decode(self, payload, n, dtype, backend):
-        return ops.decode(
-            payload["q"],
-            payload["scales"],
-            n=n,
-            dtype=dtype,
-            bucket=self.bucket_size,
-            backend=backend,
+    def _encode(self, flat, key, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_int8_encode",
+            lambda x: encode_ref(x, self.bucket_size),
+            (flat,),
+            self.arrays(flat.size, flat.dtype).values(),
+            bucket_size=self.bucket_size,
         )
+
+    def _decode(self, payload, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_int8_decode",
+            lambda q, s: (decode_ref(q, s, payload.size, payload.dtype, self.bucket_size),),
+            (payload["q"], payload["scales"]),
+            (self.output(payload),),
+            bucket_size=self.bucket_size,
+        )[0]
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (int8.h: int8_code, int8_value)
+# ---------------------------------------------------------------------------
+def encode_ref(x: jax.Array, bucket: int):
+    xb = bk.to_buckets(x, bucket)
+    m = bk.max_abs(xb)
+    t = xb * bk.safe_recip(m, 127.0)[:, None]
+    t = jnp.where(t < -127, np.float32(-127), t)
+    t = jnp.where(t > 127, np.float32(127), t)
+    t = jnp.where(t == t, t, np.float32(0))
+    return jnp.round(t).astype(jnp.int8).reshape(-1), m
+
+
+def decode_ref(q: jax.Array, scales: jax.Array, n: int, dtype, bucket: int):
+    step = scales * (np.float32(1) / np.float32(127))  # int8.h: int8_step
+    values = q.reshape(-1, bucket).astype(jnp.float32) * step[:, None]
+    return bk.from_buckets(values, n, dtype)

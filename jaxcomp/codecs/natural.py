@@ -4,25 +4,32 @@ Horvath et al., "Natural Compression for Distributed Deep Learning" (the
 IntML workshop paper and its technical report): C_nat rounds |t| in
 [2^a, 2^(a+1)) to 2^(a+1) with probability (|t| - 2^a) / 2^a, else 2^a;
 unbiased, with E[(C(t) - t)^2] <= t^2 / 8.
+Kernels: ffi/include/jaxcomp/natural.h (bodies), ffi/natural.cc, cuda/natural.cu.
+The twins work on the float32 bits with integer arithmetic only, so they are
+exact by construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxcomp.codecs.base import Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
-from jaxcomp.ops import natural as ops
+from jaxcomp.ops.rng import rng_bits
+
+_U = np.uint32
+ZERO, INF, NAN = 0x40, 0x7E, 0x7F
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Natural(Codec):
+class Natural(BucketedCodec):
     """One byte per value (sign, zero/special flag, 6-bit exponent below the
     bucket's top exponent), plus one byte per bucket (the top).
 
@@ -47,44 +54,89 @@ class Natural(Codec):
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):
             raise ValueError(f"Natural: stochastic must be True or False, got {self.stochastic!r}")
+        object.__setattr__(self, "stochastic", bool(self.stochastic))
         check_bucket_size("Natural", self.bucket_size)
 
-    def split_granularity(self):
-        return self.bucket_size  # independent buckets
-
-    def layout(self, shape, dtype=jnp.float32):
-        n = int(np.prod(shape, dtype=np.int64))
-        return {
-            "codes": jax.ShapeDtypeStruct((n,), jnp.uint8),
-            "tops": jax.ShapeDtypeStruct((bk.num_buckets(n, self.bucket_size),), jnp.uint8),
-        }
-
-    def _encode(self, flat, seed, backend):
-        if seed is None:  # deterministic: the kernel takes (and ignores) a seed
-            seed = jnp.zeros((2,), jnp.uint32)
-        codes, tops = ops.encode(
-            flat, seed, bucket=self.bucket_size, stochastic=bool(self.stochastic), backend=backend
-        )
-        return {"codes": codes, "tops": tops}
-
-    def _decode(self, payload, n, dtype, backend):
-        return ops.decode(
-            payload["codes"],
-            payload["tops"],
-            n=n,
-            dtype=dtype,
-            bucket=self.bucket_size,
-            backend=backend,
-        )
-
-    def wire_params(self):
-        return (int(bool(self.stochastic)), self.bucket_size)
-
     @classmethod
-    def from_wire_params(cls, params: tuple[int, ...]) -> Any:
-        stochastic, bucket_size = params
-        if stochastic not in (0, 1):
-            raise ValueError(
-                f"Natural: stochastic code must be 0 (nearest) or 1 (stochastic), got {stochastic}"
-            )
-        return cls(stochastic=bool(stochastic), bucket_size=bucket_size)
+    def examples(cls, *, coverage=False):
+        users = (cls(), cls(stochastic=False))
+        more = (cls(bucket_size=8), cls(stochastic=False, bucket_size=16))
+        return users + more if coverage else users
+
+    def arrays(self, n, dtype):
+        return {"codes": array(n, np.uint8), "tops": array(self.num_buckets(n), np.uint8)}
+
+    def _encode(self, flat, key, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_natural_encode",
+            lambda x, seed: encode_ref(x, seed, self.bucket_size, self.stochastic),
+            (flat, self.seed(key)),  # deterministic: the kernel takes (and ignores) a seed
+            self.arrays(flat.size, flat.dtype).values(),
+            bucket_size=self.bucket_size,
+            stochastic=int(self.stochastic),
+        )
+
+    def _decode(self, payload, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_natural_decode",
+            lambda c, t: (decode_ref(c, t, payload.size, payload.dtype, self.bucket_size),),
+            (payload["codes"], payload["tops"]),
+            (self.output(payload),),
+            bucket_size=self.bucket_size,
+        )[0]
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (natural.h: natural_code, natural_value)
+# ---------------------------------------------------------------------------
+def exponent_cap(dtype) -> int:
+    """Largest biased float32 exponent a value may round up to: 2^15 for
+    float16 (2^16 would overflow it), 2^127 otherwise."""
+    return 142 if np.dtype(dtype) == np.dtype(jnp.float16) else 254
+
+
+def encode_ref(x: jax.Array, seed: jax.Array, bucket: int, stochastic: bool):
+    n = x.size
+    cap = _U(exponent_cap(x.dtype))
+    xb = bk.to_buckets(x, bucket)
+    u = lax.bitcast_convert_type(xb, jnp.uint32)
+    a = u & _U(0x7FFFFFFF)
+    finite = jnp.where(a < _U(0x7F800000), a, _U(0))
+    top = (jnp.max(finite, axis=1) >> 23) + _U(1)
+    sign = u >> 31
+    e = (u >> 23) & _U(0xFF)
+    man = u & _U(0x7FFFFF)
+    if stochastic:
+        index = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+        rb = rng_bits(seed, index)
+        up = ((rb >> 9) < man).astype(jnp.uint32)
+    else:
+        up = (man >= _U(0x400000)).astype(jnp.uint32)
+    er = jnp.minimum(e + up, cap)
+    emin = top.astype(jnp.int32)[:, None] - 63
+    k = emin - e.astype(jnp.int32)
+    sh = jnp.clip(k - 1, 0, 32).astype(jnp.uint32)
+    t32 = jnp.where(sh >= 32, _U(0), (_U(0x80000000) | (man << 8)) >> (sh & _U(31)))
+    up2 = (rb < t32) if stochastic else (k == 1)
+    under = k >= 1
+    d = jnp.where(under, _U(63), top[:, None] - er)
+    zero = (e == 0) | (under & ~up2)
+    code = (sign << 7) | (d & _U(63))
+    code = jnp.where(zero, _U(ZERO), code)
+    special = jnp.where(man != 0, _U(NAN), _U(INF) | (sign << 7))
+    code = jnp.where(e == 0xFF, special, code)
+    return code.astype(jnp.uint8).reshape(-1)[:n], top.astype(jnp.uint8)
+
+
+def decode_ref(codes: jax.Array, tops: jax.Array, n: int, dtype, bucket: int):
+    nb = bk.num_buckets(n, bucket)
+    c = jnp.pad(codes.astype(jnp.uint32), (0, nb * bucket - n)).reshape(nb, bucket)
+    sign = (c & _U(0x80)) << 24
+    d = c & _U(63)
+    ex = tops.astype(jnp.int32)[:, None] - d.astype(jnp.int32)
+    normal = sign | (jnp.maximum(ex, 0).astype(jnp.uint32) << 23)
+    special = jnp.where(d == 63, _U(0x7FC00000), sign | jnp.where(d == 62, _U(0x7F800000), _U(0)))
+    bits = jnp.where((c & _U(0x40)) != 0, special, normal)
+    return bk.from_buckets(lax.bitcast_convert_type(bits, jnp.float32), n, dtype)

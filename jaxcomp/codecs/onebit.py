@@ -5,6 +5,7 @@ Data-Parallel Distributed Training of Speech DNNs" (Interspeech 2014), as
 described in Grubic et al. (EDBT 2018), section 2.2, with the "reshaped"
 bucketing of section 3.2.2 (1bitSGD*). Deterministic; it relies on error
 feedback to converge.
+Kernels: ffi/include/jaxcomp/onebit.h (bodies), ffi/onebit.cc, cuda/onebit.cu.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
 from jaxcomp.ops import _bucket as bk
-from jaxcomp.ops import onebit as ops
+from jaxcomp.ops.packing import pack, unpack
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OneBit(BucketSizeWire, Codec):
+class OneBit(BucketedCodec):
     """One bit per value: ``v >= 0`` decodes to the bucket's mean of its
     non-negative values (avg+), ``v < 0`` to the mean of its negatives (avg-).
 
@@ -39,26 +40,61 @@ class OneBit(BucketSizeWire, Codec):
     def __post_init__(self):
         check_bucket_size("OneBit", self.bucket_size)
 
-    def split_granularity(self):
-        return self.bucket_size  # independent buckets
+    @classmethod
+    def examples(cls, *, coverage=False):
+        return (cls(), cls(bucket_size=8)) if coverage else (cls(),)
 
-    def layout(self, shape, dtype=jnp.float32):
-        nb = bk.num_buckets(int(np.prod(shape, dtype=np.int64)), self.bucket_size)
+    def arrays(self, n, dtype):
+        nb = self.num_buckets(n)
         return {
-            "bits": jax.ShapeDtypeStruct((nb * self.bucket_size // 8,), jnp.uint8),
-            "means": jax.ShapeDtypeStruct((2 * nb,), jnp.float32),
+            "bits": array(nb * self.bucket_size // 8, np.uint8),
+            "means": array(2 * nb, np.float32),
         }
 
-    def _encode(self, flat, seed, backend):
-        bits, means = ops.encode(flat, bucket=self.bucket_size, backend=backend)
-        return {"bits": bits, "means": means}
-
-    def _decode(self, payload, n, dtype, backend):
-        return ops.decode(
-            payload["bits"],
-            payload["means"],
-            n=n,
-            dtype=dtype,
-            bucket=self.bucket_size,
-            backend=backend,
+    def _encode(self, flat, key, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_onebit_encode",
+            lambda x: encode_ref(x, self.bucket_size),
+            (flat,),
+            self.arrays(flat.size, flat.dtype).values(),
+            bucket_size=self.bucket_size,
         )
+
+    def _decode(self, payload, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_onebit_decode",
+            lambda b, m: (decode_ref(b, m, payload.size, payload.dtype, self.bucket_size),),
+            (payload["bits"], payload["means"]),
+            (self.output(payload),),
+            bucket_size=self.bucket_size,
+        )[0]
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (onebit.h)
+# ---------------------------------------------------------------------------
+def _mean(total: jax.Array, count: jax.Array) -> jax.Array:
+    positive = count > 0
+    return jnp.where(positive, total / jnp.where(positive, count, 1).astype(jnp.float32), 0.0)
+
+
+def encode_ref(x: jax.Array, bucket: int):
+    n = x.size
+    xb = bk.to_buckets(x, bucket)
+    p = xb >= 0  # NaN goes to the negative side and poisons avg-
+    valid = jnp.arange(xb.size).reshape(xb.shape) < n
+    npos = jnp.sum(p & valid, axis=1, dtype=jnp.uint32)
+    nneg = jnp.sum(valid, axis=1, dtype=jnp.uint32) - npos
+    zero = np.float32(0)
+    hi = _mean(bk.tree_sum(jnp.where(p, xb, zero)), npos)
+    lo = _mean(bk.tree_sum(jnp.where(p, zero, xb)), nneg)
+    return pack(p.astype(jnp.uint8).reshape(-1), 1), jnp.stack([hi, lo], axis=1).reshape(-1)
+
+
+def decode_ref(bits: jax.Array, means: jax.Array, n: int, dtype, bucket: int):
+    codes = unpack(bits, 1).reshape(-1, bucket)
+    m = means.reshape(-1, 2)
+    values = jnp.where(codes != 0, m[:, :1], m[:, 1:])
+    return bk.from_buckets(values, n, dtype)

@@ -3,6 +3,7 @@
 Alistarh et al., "QSGD" (NeurIPS 2017), as described in Grubic et al.,
 "Synchronous Multi-GPU Deep Learning with Low-Precision Communication: An
 Experimental Study" (EDBT 2018), section 2.3 and the bucketing of 3.2.2.
+Kernels: ffi/include/jaxcomp/qsgd.h (bodies), ffi/qsgd.cc, cuda/qsgd.cu.
 """
 
 from __future__ import annotations
@@ -14,16 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, check_bucket_size, check_int, register
+from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, check_int, register
 from jaxcomp.ops import _bucket as bk
-from jaxcomp.ops import qsgd as ops
+from jaxcomp.ops.packing import pack, unpack
+from jaxcomp.ops.rng import rng_uniform
 
 _NORMS = ("max", "l2")
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class QSGD(Codec):
+class QSGD(BucketedCodec):
     """Stochastic quantization to ``s = 2^(bits-1) - 1`` levels per sign.
 
     Each bucket of ``bucket_size`` consecutive values is scaled by its max
@@ -54,41 +56,60 @@ class QSGD(Codec):
         if self.norm not in _NORMS:
             raise ValueError(f"QSGD: norm must be one of {_NORMS}, got {self.norm!r}")
 
+    @classmethod
+    def examples(cls, *, coverage=False):
+        users = (
+            cls(bits=4),
+            cls(bits=2, bucket_size=128),
+            cls(bits=8),
+            cls(bits=4, norm="l2"),
+        )
+        more = (
+            cls(bits=3, bucket_size=64),
+            cls(bits=4, bucket_size=16, norm="l2"),
+            cls(bits=8, bucket_size=8),
+        )
+        return users + more if coverage else users
+
     @property
     def levels(self) -> int:
         return (1 << (self.bits - 1)) - 1
 
-    def split_granularity(self):
-        return self.bucket_size  # independent buckets
-
-    def layout(self, shape, dtype=jnp.float32):
-        nb = bk.num_buckets(int(np.prod(shape, dtype=np.int64)), self.bucket_size)
+    def arrays(self, n, dtype):
+        nb = self.num_buckets(n)
         return {
-            "codes": jax.ShapeDtypeStruct((nb * self.bucket_size // 8 * self.bits,), jnp.uint8),
-            "scales": jax.ShapeDtypeStruct((nb,), jnp.float32),
+            "codes": array(nb * self.bucket_size // 8 * self.bits, np.uint8),
+            "scales": array(nb, np.float32),
         }
 
-    def _encode(self, flat, seed, backend):
-        codes, scales = ops.encode(
-            flat,
-            seed,
+    def _encode(self, flat, key, backend):
+        l2 = self.norm == "l2"
+        return self.kernel(
+            backend,
+            "jaxcomp_qsgd_encode",
+            lambda x, seed: encode_ref(x, seed, bits=self.bits, bucket=self.bucket_size, l2=l2),
+            (flat, self.seed(key)),
+            self.arrays(flat.size, flat.dtype).values(),
             bits=self.bits,
-            bucket=self.bucket_size,
-            l2=self.norm == "l2",
-            backend=backend,
+            bucket_size=self.bucket_size,
+            l2=int(l2),
         )
-        return {"codes": codes, "scales": scales}
 
-    def _decode(self, payload, n, dtype, backend):
-        return ops.decode(
-            payload["codes"],
-            payload["scales"],
-            n=n,
-            dtype=dtype,
+    def _decode(self, payload, backend):
+        def twin(codes, scales):
+            return (
+                decode_ref(codes, scales, payload.size, payload.dtype, self.bits, self.bucket_size),
+            )
+
+        return self.kernel(
+            backend,
+            "jaxcomp_qsgd_decode",
+            twin,
+            (payload["codes"], payload["scales"]),
+            (self.output(payload),),
             bits=self.bits,
-            bucket=self.bucket_size,
-            backend=backend,
-        )
+            bucket_size=self.bucket_size,
+        )[0]
 
     def wire_params(self):
         return (self.bits, self.bucket_size, _NORMS.index(self.norm))
@@ -99,3 +120,36 @@ class QSGD(Codec):
         if not 0 <= norm < len(_NORMS):
             raise ValueError(f"QSGD: norm code must be 0 (max) or 1 (l2), got {norm}")
         return cls(bits=bits, bucket_size=bucket_size, norm=_NORMS[norm])
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (qsgd.h: qsgd_code, qsgd_value)
+# ---------------------------------------------------------------------------
+def encode_ref(x: jax.Array, seed: jax.Array, *, bits: int, bucket: int, l2: bool):
+    s = (1 << (bits - 1)) - 1
+    xb = bk.to_buckets(x, bucket)
+    if l2:
+        scale = jnp.sqrt(bk.tree_sum(bk.exact_square(xb)))
+    else:
+        scale = bk.max_abs(xb)
+    inv = bk.safe_recip(scale, s)
+    r = jnp.abs(xb) * inv[:, None]
+    r = jnp.where(r < s, r, np.float32(s))
+    fl = r.astype(jnp.int32).astype(jnp.uint32)
+    frac = r - fl.astype(jnp.float32)
+    index = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+    up = (rng_uniform(seed, index) < frac).astype(jnp.uint32)
+    level = jnp.minimum(fl + up, np.uint32(s))
+    sign = (xb < 0).astype(jnp.uint32)
+    codes = (sign << (bits - 1)) | level
+    return pack(codes.astype(jnp.uint8).reshape(-1), bits), scale
+
+
+def decode_ref(packed: jax.Array, scales: jax.Array, n: int, dtype, bits: int, bucket: int):
+    s = (1 << (bits - 1)) - 1
+    codes = unpack(packed, bits).reshape(-1, bucket).astype(jnp.uint32)
+    step = scales * (np.float32(1) / np.float32(s))  # qsgd.h: qsgd_step
+    level = codes & np.uint32(s)
+    mag = level.astype(jnp.float32) * step[:, None]
+    values = jnp.where((codes >> (bits - 1)) != 0, -mag, mag)
+    return bk.from_buckets(values, n, dtype)

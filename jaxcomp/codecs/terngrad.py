@@ -4,6 +4,7 @@ Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
 Distributed Deep Learning" (NeurIPS 2017), section 3 (per-bucket scaling as
 in the paper's layer-wise scaler, without gradient clipping); packing of
 Lim et al., "3LC" (SysML 2019), section 3.2.
+Kernels: ffi/include/jaxcomp/terngrad.h (bodies), ffi/terngrad.cc, cuda/terngrad.cu.
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketSizeWire, Codec, check_bucket_size, register
+from jaxcomp.codecs.base import Codec, array, check_bucket_size, num_buckets, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops import ternary
-from jaxcomp.ops import terngrad as ops
+from jaxcomp.ops.rng import rng_uniform
 
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TernGrad(BucketSizeWire, Codec):
+class TernGrad(Codec):
     """Each value becomes ``sign(v) * s * b`` with ``s`` the bucket's max|v|
     and ``b = 1`` with probability ``|v| / s`` (else 0): unbiased, with
     per-element variance ``s^2 p (1 - p)``, ``p = |v| / s``. The trits are
@@ -43,23 +44,55 @@ class TernGrad(BucketSizeWire, Codec):
     def __post_init__(self):
         check_bucket_size("TernGrad", self.bucket_size)
 
-    def layout(self, shape, dtype=jnp.float32):
-        n = int(np.prod(shape, dtype=np.int64))
+    @classmethod
+    def examples(cls, *, coverage=False):
+        return (cls(), cls(bucket_size=16)) if coverage else (cls(),)
+
+    def arrays(self, n, dtype):
         return {
-            "trits": jax.ShapeDtypeStruct((ternary.num_bytes(n),), jnp.uint8),
-            "scales": jax.ShapeDtypeStruct((bk.num_buckets(n, self.bucket_size),), jnp.float32),
+            "trits": array(ternary.num_bytes(n), np.uint8),
+            "scales": array(num_buckets(n, self.bucket_size), np.float32),
         }
 
-    def _encode(self, flat, seed, backend):
-        trits, scales = ops.encode(flat, seed, bucket=self.bucket_size, backend=backend)
-        return {"trits": trits, "scales": scales}
-
-    def _decode(self, payload, n, dtype, backend):
-        return ops.decode(
-            payload["trits"],
-            payload["scales"],
-            n=n,
-            dtype=dtype,
-            bucket=self.bucket_size,
-            backend=backend,
+    def _encode(self, flat, key, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_terngrad_encode",
+            lambda x, seed: encode_ref(x, seed, self.bucket_size),
+            (flat, self.seed(key)),
+            self.arrays(flat.size, flat.dtype).values(),
+            bucket_size=self.bucket_size,
         )
+
+    def _decode(self, payload, backend):
+        return self.kernel(
+            backend,
+            "jaxcomp_terngrad_decode",
+            lambda t, s: (decode_ref(t, s, payload.size, payload.dtype, self.bucket_size),),
+            (payload["trits"], payload["scales"]),
+            (self.output(payload),),
+            bucket_size=self.bucket_size,
+        )[0]
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (terngrad.h: terngrad_digit, terngrad_value; ternary.h)
+# ---------------------------------------------------------------------------
+def encode_ref(x: jax.Array, seed: jax.Array, bucket: int):
+    n = x.size
+    xb = bk.to_buckets(x, bucket)
+    scale = bk.max_abs(xb)
+    inv = bk.safe_recip(scale, 1.0)  # terngrad.h: terngrad_inv
+    r = jnp.abs(xb) * inv[:, None]
+    index = jnp.arange(xb.size, dtype=jnp.uint32).reshape(xb.shape)
+    up = (rng_uniform(seed, index) < r).astype(jnp.uint32)
+    neg = (xb < 0).astype(jnp.uint32)
+    digits = np.uint32(1) + up - np.uint32(2) * (up & neg)
+    return ternary.pack(digits.reshape(-1)[:n]), scale
+
+
+def decode_ref(trits: jax.Array, scales: jax.Array, n: int, dtype, bucket: int):
+    nb = num_buckets(n, bucket)
+    digits = jnp.pad(ternary.unpack(trits, n), (0, nb * bucket - n), constant_values=1)
+    t = (digits.astype(jnp.int32) - 1).astype(jnp.float32).reshape(nb, bucket)
+    return bk.from_buckets(t * scales[:, None], n, dtype)

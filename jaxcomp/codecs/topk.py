@@ -5,8 +5,20 @@ Learning" (SC19): section 2.2 and Algorithm 1 (Top-k SGD: the k largest
 components of the gradient, optionally quantized), section 5.1 (sparse
 streams of index-value pairs), section 6 (QSGD for the values) and section
 8.3 (the CIFAR-10 runs keep k = 8 or 16 of every bucket of 512 consecutive
-elements, values quantized to 4 bits). Selection rules in
-``jaxcomp/ops/topk.py``.
+elements, values quantized to 4 bits).
+Kernels: ffi/include/jaxcomp/topk.h (bodies), ffi/topk.cc, cuda/topk.cu.
+
+Ranking (every backend): an element's key is its absolute value's bits as an
+unsigned integer (the storage word with the sign bit cleared). Keys order
+magnitudes exactly and put NaN above +-Inf, so NaNs are always kept; among
+equal keys the lower index wins. Chosen elements are listed by ascending
+index; values are copied bit for bit.
+
+Whole-tensor selection (``fraction``) stores global indices;
+``k_per_bucket`` selects ``k`` of every bucket and stores bucket-local
+indices, ``k`` entries per bucket; the last bucket, of length ``L < k``, lists
+its ``L`` elements and then padding entries with local indices ``L .. k-1``
+(global index ``>= n``) and value 0.
 """
 
 from __future__ import annotations
@@ -19,9 +31,19 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from jaxcomp.codecs.base import Codec, by_id, check_bucket_size, check_int, register
-from jaxcomp.ops import topk as ops
+from jaxcomp.codecs.base import (
+    Codec,
+    Rate,
+    SparseCodec,
+    array,
+    by_id,
+    check_bucket_size,
+    check_int,
+    index_dtype,
+    register,
+)
 from jaxcomp.payload import Payload
 
 _VALUES = "values"
@@ -41,7 +63,7 @@ def _bits_fraction(b: int) -> float:
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TopK(Codec):
+class TopK(SparseCodec):
     """The ``k`` largest ``|x|`` and their indices; everything else decodes to 0.
 
     One of ``fraction`` and ``k_per_bucket`` (neither: ``fraction=0.01``):
@@ -105,11 +127,23 @@ class TopK(Codec):
         if vc is not None:
             if not isinstance(vc, Codec):
                 raise ValueError(f"TopK: value_codec must be a jaxcomp codec, got {vc!r}")
-            if isinstance(vc, TopK) or type(vc).used_nbytes is not Codec.used_nbytes:
+            if vc.rate not in (Rate.FIXED, Rate.LINEAR):
                 raise ValueError(
                     f"TopK: value_codec must be a fixed-rate codec (not TopK or a "
                     f"variable-rate codec), got {vc!r}"
                 )
+
+    @classmethod
+    def examples(cls, *, coverage=False):
+        from jaxcomp.codecs.qsgd import QSGD
+
+        users = (cls(fraction=0.01), cls(k_per_bucket=(8, 512)))
+        more = (
+            cls(k_per_bucket=(3, 8)),
+            cls(fraction=0.05, value_codec=QSGD(bits=4)),
+            cls(k_per_bucket=(16, 512), value_codec=QSGD(bits=4, bucket_size=16)),
+        )
+        return users + more if coverage else users
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
@@ -134,53 +168,84 @@ class TopK(Codec):
         g = self.value_codec.split_granularity()
         return bucket if g and k % g == 0 else None
 
-    def layout(self, shape, dtype=jnp.float32):
-        n = int(np.prod(shape, dtype=np.int64))
+    def entries(self, n: int) -> int:
+        """Entries of the payload of ``n`` values: ``k`` (whole tensor) or
+        ``k`` per bucket."""
         k, bucket = self.selection(n)
-        m = ops.num_entries(n, k, bucket)
-        out = {"indices": jax.ShapeDtypeStruct((m,), ops.index_dtype(n if bucket == 0 else bucket))}
+        return k if bucket == 0 else -(-n // bucket) * k
+
+    def arrays(self, n, dtype):
+        _, bucket = self.selection(n)
+        m = self.entries(n)
+        out = {"indices": array(m, index_dtype(n if bucket == 0 else bucket))}
         if self.value_codec is None:
-            out[_VALUES] = jax.ShapeDtypeStruct((m,), jnp.dtype(dtype))
+            out[_VALUES] = array(m, dtype)
         else:
-            for name, spec in self.value_codec.layout((m,), dtype).items():
+            for name, spec in self.value_codec.arrays(m, dtype).items():
                 out[_PREFIX + name] = spec
         return out
 
-    def _encode(self, flat, seed, backend):
-        k, bucket = self.selection(flat.size)
-        indices, values = ops.encode(flat, k=k, bucket=bucket, backend=backend)
-        out = {"indices": indices}
+    def _encode(self, flat, key, backend):
+        n = flat.size
+        k, bucket = self.selection(n)
+        m = self.entries(n)
+        results = (array(m, index_dtype(n if bucket == 0 else bucket)), array(m, flat.dtype))
+        indices, values = self.kernel(
+            backend,
+            "jaxcomp_topk_encode",
+            lambda x: encode_ref(x, k, bucket),
+            (flat,),
+            results,
+            k=k,
+            bucket_size=bucket,
+        )
         if self.value_codec is None:
-            out[_VALUES] = values
-        else:
-            nested = self.value_codec._encode(values, seed, backend)
-            out.update({_PREFIX + name: a for name, a in nested.items()})
-        return out
+            return indices, values
+        nested = self.value_codec.encode(values, key, backend=backend)
+        return (indices, *nested.arrays.values())
 
-    def decode_values(self, payload: Payload, batch: tuple[int, ...] = (), *, backend="auto"):
-        """The payload's values in the tensor's dtype, ``[*batch, m]`` (the
-        nested codec decoded where there is one)."""
+    def values(self, payload: Payload, *, backend: str = "auto") -> jax.Array:
+        """The payload's values in the tensor's dtype, ``[..., entries]``
+        (the nested codec decoded where there is one; leading axes kept)."""
         if self.value_codec is None:
             return payload[_VALUES]
         vc = self.value_codec
         m = payload["indices"].shape[-1]
-        arrays = {
-            name[len(_PREFIX) :]: a
-            for name, a in payload.arrays.items()
-            if name.startswith(_PREFIX)
-        }
+        nested = [a for name, a in payload.arrays.items() if name.startswith(_PREFIX)]
 
-        def one(arrs):
-            return vc.decode(Payload(vc, (m,), payload.dtype, arrs), backend=backend)
+        def one(*arrs):
+            return vc.decode(vc.payload(arrs, (m,), payload.dtype), backend=backend)
 
-        for _ in batch:
+        for _ in range(payload["indices"].ndim - 1):
             one = jax.vmap(one)
-        return one(arrays)
+        return one(*nested)
 
-    def _decode(self, payload, n, dtype, backend):
+    def _decode(self, payload, backend):
+        n = payload.size
         k, bucket = self.selection(n)
-        values = self.decode_values(payload, backend=backend)
-        return ops.decode(payload["indices"], values, n=n, k=k, bucket=bucket, backend=backend)
+        values = self.values(payload, backend=backend)
+        if n == 0:
+            return jnp.zeros((0,), payload.dtype)
+        return self.kernel(
+            backend,
+            "jaxcomp_topk_decode",
+            lambda i, v: (decode_ref(i, v, n, k, bucket),),
+            (payload["indices"], values),
+            (self.output(payload),),
+            k=k,
+            bucket_size=bucket,
+        )[0]
+
+    def pairs(self, payload: Payload, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
+        """``(indices, values)``: global flat int32 indices (padding entries
+        read exactly ``n``) and the decoded values in float32 (0 at padding),
+        ``[..., entries]`` with the payload's leading axes kept. Indices of
+        one tensor are ascending. Requires ``n < 2^31``."""
+        n = payload.size
+        k, bucket = self.selection(n)
+        g = global_indices(payload["indices"], n, k, bucket)
+        values = self.values(payload, backend=backend).astype(jnp.float32)
+        return g, jnp.where(g < n, values, jnp.float32(0))
 
     # -- wire ---------------------------------------------------------------
     def wire_params(self):
@@ -217,3 +282,75 @@ class TopK(Codec):
         if mode == 1:
             return cls(k_per_bucket=(a, b), value_codec=vc)
         raise ValueError(f"TopK: mode must be 0 (fraction) or 1 (k_per_bucket), got {mode}")
+
+
+# ---------------------------------------------------------------------------
+# Pure-JAX twins (topk.h)
+# ---------------------------------------------------------------------------
+def _word(dtype) -> np.dtype:
+    return np.dtype(np.uint32) if np.dtype(dtype).itemsize == 4 else np.dtype(np.uint16)
+
+
+def _keys(words: jax.Array) -> jax.Array:
+    """topk.h: topk_key, as int32 (keys fit in 31 bits)."""
+    mask = 0x7FFFFFFF if words.dtype == jnp.uint32 else 0x7FFF
+    return (words & np.array(mask, words.dtype)).astype(jnp.int32)
+
+
+def encode_ref(x: jax.Array, k: int, bucket: int):
+    n = x.size
+    words = lax.bitcast_convert_type(x, _word(x.dtype))
+    if bucket == 0:
+        idt = index_dtype(n)
+        if n == 0:
+            return jnp.zeros((0,), idt), jnp.zeros((0,), x.dtype)
+        # lax.top_k breaks ties by the lower index.
+        _, pos = lax.top_k(_keys(words), k)
+        pos = jnp.sort(pos)
+        return pos.astype(idt), _as_float(words[pos], x.dtype)
+    nb = -(-n // bucket)
+    idt = index_dtype(bucket)
+    if n == 0:
+        return jnp.zeros((0,), idt), jnp.zeros((0,), x.dtype)
+    pad = nb * bucket - n
+    # Padding keys rank below every real key (>= 0); among themselves the
+    # lower index wins, which gives the padding entries local indices L .. k-1.
+    kb = jnp.pad(_keys(words), (0, pad), constant_values=-1).reshape(nb, bucket)
+    _, pos = lax.top_k(kb, k)
+    pos = jnp.sort(pos, axis=1)
+    g = (
+        jnp.arange(nb, dtype=jnp.uint32)[:, None] * np.uint32(bucket) + pos.astype(jnp.uint32)
+    ).reshape(-1)
+    vals = words.at[g].get(mode="fill", fill_value=0)  # padding: index >= n, value 0
+    return pos.reshape(-1).astype(idt), _as_float(vals, x.dtype)
+
+
+def _as_float(words: jax.Array, dtype) -> jax.Array:
+    # The barrier keeps the bitcast out of the fusion that produced the words:
+    # XLA's CPU backend was seen to flush 16-bit subnormals when a gather or
+    # select on the words is fused with the bitcast to bfloat16.
+    return lax.bitcast_convert_type(lax.optimization_barrier(words), dtype)
+
+
+def decode_ref(indices: jax.Array, values: jax.Array, n: int, k: int, bucket: int):
+    wt = _word(values.dtype)
+    words = lax.bitcast_convert_type(values, wt)
+    if bucket == 0:
+        out = jnp.zeros((n,), wt).at[indices.astype(jnp.uint32)].set(words, mode="drop")
+        return _as_float(out, values.dtype)
+    nb = -(-n // bucket)
+    rows = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), k)
+    dense = jnp.zeros((nb, bucket), wt).at[rows, indices.astype(jnp.int32)].set(words, mode="drop")
+    return _as_float(dense.reshape(-1)[:n], values.dtype)
+
+
+def global_indices(indices: jax.Array, n: int, k: int, bucket: int) -> jax.Array:
+    """Stored indices (any leading axes) -> global flat int32 indices, with
+    every padding entry set to exactly ``n`` (requires ``n < 2^31``)."""
+    idx = indices.astype(jnp.int32)
+    if bucket == 0:
+        return idx
+    m = indices.shape[-1]
+    base = (jnp.arange(m, dtype=jnp.int32) // k) * bucket
+    g = base + idx
+    return jnp.where(idx < jnp.minimum(bucket, n - base), g, jnp.int32(n))

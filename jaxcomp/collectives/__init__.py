@@ -22,6 +22,8 @@ from jaxcomp.collectives._core import (
     operand_nbytes,
     pmean,
     psum,
+    send_nbytes,
+    uncompressed_send_nbytes,
 )
 from jaxcomp.collectives._util import tier_capacities, wire_log
 
@@ -32,6 +34,8 @@ __all__ = [
     "operand_nbytes",
     "pmean",
     "psum",
+    "send_nbytes",
     "tier_capacities",
+    "uncompressed_send_nbytes",
     "wire_log",
 ]

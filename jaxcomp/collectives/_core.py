@@ -9,24 +9,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.collectives import _sparse
+from jaxcomp.codecs.base import Codec, Rate
+from jaxcomp.collectives import _sparse, _util
 from jaxcomp.collectives._util import (
     axis_size,
     chunk_len,
     chunked,
-    decode_all,
+    decode_f32,
     decode_rows,
     device_key,
     fold,
     ordered_sum,
+    own_capacity,
     padded,
     split,
     transfer,
 )
-from jaxcomp.payload import Payload
 
-ALGORITHMS = ("auto", "allgather", "two_phase", "ring", "sparse", "hierarchical")
+ALGORITHMS = ("auto", "allgather", "two_phase", "ring", "sparse", "allreduce", "hierarchical")
 
 
 class Reduced(NamedTuple):
@@ -49,20 +49,26 @@ class Reduced(NamedTuple):
 # Algorithms. Each takes the flat input and returns (sum float32, sent float32).
 # ---------------------------------------------------------------------------
 def _allgather(codec, flat, axis_name, size, key, div):
-    n, dtype = flat.size, flat.dtype
     p = codec.encode(flat, key)
-    total = transfer(
-        codec,
-        p.arrays,
-        n,
-        dtype,
-        axis_name,
-        "all-gather",
-        lambda a: lax.all_gather(a, axis_name),
-        lambda ck, arrs: ordered_sum(decode_rows(ck, arrs, n, dtype)),
-    )
-    sent = codec.decode(p).astype(jnp.float32)
-    return (total if div == 1 else total / div), sent
+    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
+    total = transfer(p, axis_name, "all-gather", gather, lambda q: ordered_sum(decode_rows(q)))
+    return (total if div == 1 else total / div), decode_f32(p)
+
+
+def _allreduce(codec, flat, axis_name, size, key, div):
+    """Linear codecs: the payloads themselves are summed by one ``psum``
+    (every device encodes with the same key), then decoded once."""
+    if codec.rate is not Rate.LINEAR:
+        raise ValueError(
+            f"jc.psum: algorithm='allreduce' sums payloads, which only linear codecs "
+            f"(codec.rate is Rate.LINEAR) allow; {codec!r} is {codec.rate.value}-rate"
+        )
+    p = codec.encode(flat, key)
+    arrays = p.arrays
+    _util.record("all-reduce", arrays.values())
+    summed = p.map(lambda a: lax.psum(a, axis_name))
+    total = decode_f32(summed)
+    return (total if div == 1 else total / div), decode_f32(p)
 
 
 def _two_phase(codec, flat, axis_name, size, key, div):
@@ -75,39 +81,27 @@ def _two_phase(codec, flat, axis_name, size, key, div):
         # One encoding of the whole tensor, cut into per-owner payloads.
         c = chunk_len(codec, n, size)
         p = codec.encode(padded(flat, size * c), key)
-        payloads = split(p.arrays, size)
-        stage1 = codec.decode(p).astype(jnp.float32)  # my chunks as their owners see them
+        payloads = split(p, size)
+        stage1 = decode_f32(p)  # my chunks as their owners see them
     else:
         chunks, c = chunked(flat, size)
-        if key is None:
-            payloads = jax.vmap(lambda x: codec.encode(x).arrays)(chunks)
-        else:
-            keys = jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
-            payloads = jax.vmap(lambda x, k: codec.encode(x, k).arrays)(chunks, keys)
-        stage1 = decode_all(codec, payloads, c, dtype).reshape(-1)
-    mine = transfer(  # my chunk, summed over the devices
-        codec,
-        payloads,
-        c,
-        dtype,
-        axis_name,
-        "all-to-all",
-        lambda a: lax.all_to_all(a, axis_name, 0, 0),
-        lambda ck, arrs: ordered_sum(decode_rows(ck, arrs, c, dtype)),
+        keys = (
+            None
+            if key is None
+            else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
+        )
+        payloads = jax.vmap(codec.encode)(chunks, keys)
+        stage1 = decode_rows(payloads).reshape(-1)
+    to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
+    # My chunk, summed over the devices.
+    mine = transfer(
+        payloads, axis_name, "all-to-all", to_owner, lambda q: ordered_sum(decode_rows(q))
     )
     target = mine if div == 1 else mine / div
     p2 = codec.encode(target.astype(dtype), fold(key, size))
-    final_mine = codec.decode(p2).astype(jnp.float32)
-    total = transfer(
-        codec,
-        p2.arrays,
-        c,
-        dtype,
-        axis_name,
-        "all-gather",
-        lambda a: lax.all_gather(a, axis_name),
-        lambda ck, arrs: decode_rows(ck, arrs, c, dtype).reshape(-1)[:n],
-    )
+    final_mine = decode_f32(p2)
+    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
+    total = transfer(p2, axis_name, "all-gather", gather, lambda q: decode_rows(q).reshape(-1)[:n])
     # Error feedback: the second stage's error on my chunk (in units of the
     # sum) is mine to carry.
     error = final_mine - mine if div == 1 else final_mine * div - mine
@@ -127,42 +121,32 @@ def _ring(codec, flat, axis_name, size, key, div):
     reduced chunk is compressed once by its owner and forwarded as is."""
     me = lax.axis_index(axis_name)
     dtype = flat.dtype
-    chunks, c = chunked(flat, size)
+    chunks, _ = chunked(flat, size)
     acc = chunks.astype(jnp.float32)
     sent = acc
     perm = [(d, (d + 1) % size) for d in range(size)]
+    to_next = lambda a: lax.ppermute(a, axis_name, perm)  # noqa: E731
 
-    def hop(arrays):
-        """One ppermute hop: (the received chunk decoded, its payload arrays
-        at the codec's own capacity, ready to forward)."""
-
-        def consume(ck, arrs):
-            got = ck.decode(Payload(ck, (c,), dtype, arrs)).astype(jnp.float32)
-            if ck != codec:  # a capacity tier: back to the codec's own buffer size
-                arrs = ck.with_capacity(Payload(ck, (c,), dtype, arrs), codec.stream_capacity(c))
-                arrs = arrs.arrays
-            return got, arrs
-
+    def hop(p):
+        """One ppermute hop: (the received chunk decoded, its payload at
+        the codec's own capacity, ready to forward)."""
         return transfer(
-            codec,
-            arrays,
-            c,
-            dtype,
+            p,
             axis_name,
             "collective-permute",
-            lambda a: lax.ppermute(a, axis_name, perm),
-            consume,
+            to_next,
+            lambda q: (decode_f32(q), own_capacity(codec, q)),
         )
 
     for s in range(size - 1):
         j = (me - s) % size  # chunk I send
         partial = lax.dynamic_index_in_dim(acc, j, keepdims=False)
         p = codec.encode(partial.astype(dtype), fold(key, s))
-        hat = codec.decode(p).astype(jnp.float32)
+        hat = decode_f32(p)
         sent = lax.dynamic_update_index_in_dim(
             sent, lax.dynamic_index_in_dim(sent, j, keepdims=False) + (hat - partial), j, 0
         )
-        got, _ = hop(p.arrays)
+        got, _ = hop(p)
         r = (me - 1 - s) % size  # chunk I receive
         acc = lax.dynamic_update_index_in_dim(
             acc, lax.dynamic_index_in_dim(acc, r, keepdims=False) + got, r, 0
@@ -171,15 +155,14 @@ def _ring(codec, flat, axis_name, size, key, div):
     reduced = lax.dynamic_index_in_dim(acc, own, keepdims=False)
     target = reduced if div == 1 else reduced / div
     p = codec.encode(target.astype(dtype), fold(key, size))
-    hat = codec.decode(p).astype(jnp.float32)
+    hat = decode_f32(p)
     error = hat - reduced if div == 1 else hat * div - reduced
     sent = lax.dynamic_update_index_in_dim(
         sent, lax.dynamic_index_in_dim(sent, own, keepdims=False) + error, own, 0
     )
     out = lax.dynamic_update_index_in_dim(jnp.zeros_like(acc), hat, own, 0)
-    arrays = p.arrays
     for s in range(size - 1):
-        got, arrays = hop(arrays)
+        got, p = hop(p)
         r = (me - s) % size  # the owner of this payload is me - 1 - s; it owns chunk me - s
         out = lax.dynamic_update_index_in_dim(out, got, r, 0)
     return out.reshape(-1)[: flat.size], sent.reshape(-1)[: flat.size]
@@ -187,6 +170,7 @@ def _ring(codec, flat, axis_name, size, key, div):
 
 _IMPLS = {
     "allgather": _allgather,
+    "allreduce": _allreduce,
     "two_phase": _two_phase,
     "ring": _ring,
     "sparse": _sparse.sparse,
@@ -203,10 +187,9 @@ def _reduce(codec, flat, axis_name, algorithm, key, div=1):
     size = axis_size(axis_name)
     if size == 1:
         if div == 1:
-            sent = codec.decode(codec.encode(flat, key)).astype(jnp.float32)
+            sent = decode_f32(codec.encode(flat, key))
             return sent, sent
-        hat = codec.decode(codec.encode((flat.astype(jnp.float32) / div).astype(flat.dtype), key))
-        hat = hat.astype(jnp.float32)
+        hat = decode_f32(codec.encode((flat.astype(jnp.float32) / div).astype(flat.dtype), key))
         return hat, hat * div
     if algorithm == "auto":
         algorithm = choose_algorithm(codec, flat.size, size)
@@ -230,9 +213,11 @@ def _hierarchical(codec, flat, slow, fast, key, div=1):
 def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     """The rule behind ``algorithm="auto"``.
 
-    - Sparse codecs (TopK): ``sparse``, SparCML's algorithms (static sparse
-      all-reduce or DSAR_Split_allgather by the density rule of its section
-      5.1: see :func:`jaxcomp.collectives._sparse.static_fits`).
+    - Linear codecs (``Rate.LINEAR``, e.g. Identity): ``allreduce``, one
+      ``psum`` of the payloads.
+    - Sparse codecs (``Rate.SPARSE``, TopK): ``sparse``, SparCML's algorithms
+      (static sparse all-reduce or DSAR_Split_allgather by the density rule
+      of its section 5.1: see :func:`jaxcomp.collectives._sparse.static_fits`).
     - Otherwise, two devices, or fewer values than devices: ``allgather``
       (the same bytes as two-phase, one compression instead of two).
     - Otherwise ``two_phase``, whose bytes per device stay near 2 (P-1)/P of
@@ -240,7 +225,9 @@ def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
       two compressions where the ring needs P. This holds for variable-rate
       codecs (ThreeLC) too, whose payloads travel in capacity tiers.
     """
-    if axis_size > 1 and n > 0 and _sparse.is_sparse(codec):
+    if codec.rate is Rate.LINEAR:
+        return "allreduce"
+    if axis_size > 1 and n > 0 and codec.rate is Rate.SPARSE:
         return "sparse"
     if axis_size <= 2 or n < axis_size:
         return "allgather"
@@ -317,7 +304,9 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto") -> R
 def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -> dict[str, int]:
     """Bytes this device hands to each kind of collective, as the compiled
     HLO shows them (the operands of all-gather / all-to-all /
-    collective-permute), for an input of ``shape`` and ``dtype``.
+    collective-permute / all-reduce), for an input of ``shape`` and
+    ``dtype``; every size comes from the codec's layout
+    (:meth:`~jaxcomp.codecs.Codec.wire_nbytes`).
 
     Variable-rate codecs and the split sparse algorithm move their payloads
     in capacity tiers chosen at run time; for them this is the largest tier
@@ -327,27 +316,53 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
         algorithm = choose_algorithm(codec, n, axis_size)
     if axis_size == 1:
         return {}
-    if algorithm == "sparse":
-        if _sparse.static_fits(codec, n, dtype, axis_size):
-            return {"all-gather": codec.wire_nbytes((n,), dtype)}
-        c = -(-n // axis_size)
-        m = _sparse.entries(codec, n)
-        pair = _sparse.topk_ops.index_dtype(c + 1).itemsize + np.dtype(dtype).itemsize
-        vc = codec.value_codec
-        dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
-        return {"all-to-all": axis_size * m * pair, "all-gather": dense}
-    c = -(-n // axis_size) if n else 0
-    if algorithm == "two_phase":
-        c = chunk_len(codec, n, axis_size)
-    chunk = codec.wire_nbytes((c,), dtype)
     if algorithm == "hierarchical":
         raise ValueError(
             "operand_nbytes: the hierarchical algorithm has two axes; not supported here"
         )
-    if algorithm == "allgather":
-        return {"all-gather": codec.wire_nbytes((n,), dtype)}
+    if algorithm == "sparse":
+        return _sparse.operand_nbytes(codec, n, dtype, axis_size)
+    if algorithm in ("allgather", "allreduce"):
+        kind = "all-gather" if algorithm == "allgather" else "all-reduce"
+        return {kind: codec.wire_nbytes((n,), dtype)}
     if algorithm == "two_phase":
+        chunk = codec.wire_nbytes((chunk_len(codec, n, axis_size),), dtype)
         return {"all-to-all": axis_size * chunk, "all-gather": chunk}
     if algorithm == "ring":
+        chunk = codec.wire_nbytes((-(-n // axis_size) if n else 0,), dtype)
         return {"collective-permute": 2 * (axis_size - 1) * chunk}
     raise ValueError(f"unknown algorithm {algorithm!r}")
+
+
+def send_nbytes(codec: Codec, n: int, dtype, axis_sizes, algorithm: str = "auto") -> float:
+    """Bytes one device sends over the network for a compressed all-reduce of
+    ``n`` values (an upper bound for capacity tiers): ``(P-1)`` times an
+    all-gather operand, ``(P-1)/P`` of an all-to-all operand, every byte of a
+    collective-permute, and ``2 (P-1)/P`` of an all-reduce operand (a ring
+    all-reduce). ``axis_sizes``: the axis size, or ``(slow, fast)`` sizes for
+    the hierarchical algorithm (float32 over the fast axis, compressed over
+    the slow one)."""
+    sizes = tuple(axis_sizes) if isinstance(axis_sizes, (tuple, list)) else (axis_sizes,)
+    if len(sizes) == 2:
+        slow, fast = sizes
+        chunk = -(-n // fast)
+        return uncompressed_send_nbytes(4 * n, fast) + send_nbytes(codec, chunk, dtype, slow)
+    (p,) = sizes
+    total = 0.0
+    for kind, op in operand_nbytes(codec, (n,), dtype, p, algorithm).items():
+        if kind == "all-gather":
+            total += (p - 1) * op
+        elif kind == "all-to-all":
+            total += (p - 1) / p * op
+        elif kind == "all-reduce":
+            total += uncompressed_send_nbytes(op, p)
+        else:  # collective-permute: every operand byte is sent
+            total += op
+    return total
+
+
+def uncompressed_send_nbytes(nbytes: int, axis_size: int) -> float:
+    """Bytes one device sends in a ring all-reduce of ``nbytes``
+    (``2 (P-1)/P`` of them), what ``lax.psum`` costs on the network."""
+    p = axis_size
+    return 2.0 * (p - 1) / p * nbytes if p > 1 else 0.0

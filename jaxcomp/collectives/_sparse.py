@@ -1,4 +1,4 @@
-"""SparCML's sparse all-reduce algorithms for TopK payloads.
+"""SparCML's sparse all-reduce algorithms for sparse (index/value) payloads.
 
 Renggli et al., "SparCML: High-Performance Sparse Communication for Machine
 Learning" (SC19), section 5: the static sparse all-reduce (every device's
@@ -8,38 +8,46 @@ reduce-scatter by all_to_all of the pairs in each range, then a dense
 all_gather of the owned ranges, optionally quantized as in section 6). The
 choice between them follows the density rule of section 5.1: stay sparse
 while the pairs are fewer bytes than the dense result.
+
+Everything here reads the :class:`~jaxcomp.codecs.base.SparseCodec`
+protocol: ``entries(n)``, ``pairs(payload)`` and ``value_codec``.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.collectives._util import as_bits, decode_rows, exchange, fold, transfer
-from jaxcomp.ops import topk as topk_ops
+from jaxcomp.codecs.base import Codec, Rate, index_dtype
+from jaxcomp.codecs.identity import Identity
+from jaxcomp.collectives._util import (
+    as_bits,
+    decode_f32,
+    decode_rows,
+    exchange,
+    fold,
+    record,
+    transfer,
+)
 from jaxcomp.payload import Payload
 
 
-def is_sparse(codec: Codec) -> bool:
-    """Whether the codec's payload is index/value pairs (TopK)."""
-    return callable(getattr(codec, "selection", None))
-
-
-def entries(codec: Codec, n: int) -> int:
-    """Index/value pairs in one device's payload."""
-    k, bucket = codec.selection(n)
-    return topk_ops.num_entries(n, k, bucket)
+def _check(codec: Codec) -> None:
+    if codec.rate is not Rate.SPARSE:
+        raise ValueError(
+            f"jc.psum: algorithm='sparse' carries index/value pairs (a codec with "
+            f"rate Rate.SPARSE, such as TopK), got {codec!r}"
+        )
 
 
 def static_fits(codec: Codec, n: int, dtype, size: int) -> bool:
     """SparCML section 5.1's rule: the sum of ``size`` payloads may hold up
-    to ``size * m`` pairs; keep it sparse (the static sparse all-reduce)
-    while those pairs take fewer bytes than the dense result."""
-    m = entries(codec, n)
-    pair = topk_ops.index_dtype(n).itemsize + np.dtype(dtype).itemsize
-    return size * m * pair < n * np.dtype(dtype).itemsize
+    to ``size`` times their pairs; keep it sparse (the static sparse
+    all-reduce, which all-gathers the payloads) while those bytes are fewer
+    than the dense result's."""
+    return size * codec.wire_nbytes((n,), dtype) < n * np.dtype(dtype).itemsize
 
 
 def split_tiers(m: int, size: int) -> tuple[int, ...]:
@@ -54,21 +62,65 @@ def split_tiers(m: int, size: int) -> tuple[int, ...]:
     return tuple(sorted(caps))
 
 
+def _owned_len(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+def operand_nbytes(codec: Codec, n: int, dtype, size: int) -> dict[str, int]:
+    """The collectives' operand bytes of the ``sparse`` algorithm (see
+    :func:`jaxcomp.collectives.operand_nbytes`): the payload all-gathered as
+    it is, or the split algorithm's largest pair tier (pairs of a local
+    index, in the smallest integer type, and a raw value) and its dense
+    stage (raw, or through the codec's ``value_codec``)."""
+    _check(codec)
+    if static_fits(codec, n, dtype, size):
+        return {"all-gather": codec.wire_nbytes((n,), dtype)}
+    c = _owned_len(n, size)
+    pair = index_dtype(c + 1).itemsize + np.dtype(dtype).itemsize
+    vc = codec.value_codec
+    dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
+    return {"all-to-all": size * codec.entries(n) * pair, "all-gather": dense}
+
+
+def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
+    """Sums sparse pairs (any matching leading axes) into a dense float32[n];
+    indices outside ``[0, n)`` (padding) are dropped. The order in which
+    duplicate indices are added is unspecified (float sums may differ in the
+    last bit between orders), and the additions follow the platform's float
+    rules (XLA's CPU flushes subnormal values to zero)."""
+    return (
+        jnp.zeros((n,), jnp.float32)
+        .at[indices.reshape(-1)]
+        .add(values.reshape(-1).astype(jnp.float32), mode="drop")
+    )
+
+
 def static_allreduce(codec, flat, axis_name, size, key, div):
-    """Every device's pairs to everyone (``all_gather`` of the TopK
-    payloads as they are), summed into a dense tensor."""
+    """Every device's pairs to everyone (``all_gather`` of the payloads as
+    they are), summed into a dense tensor."""
     del size
-    n, dtype = flat.size, flat.dtype
+    n = flat.size
     p = codec.encode(flat, key)
 
-    def consume(ck, arrs):
-        idx, vals = topk_ops.sparse_pairs(Payload(ck, (n,), dtype, arrs))
-        return topk_ops.scatter_add(idx, vals, n)
+    def consume(q: Payload):
+        return scatter_add(*q.codec.pairs(q), n)
 
-    op = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    total = transfer(codec, p.arrays, n, dtype, axis_name, "all-gather", op, consume)
-    sent = codec.decode(p).astype(jnp.float32)
-    return (total if div == 1 else total / div), sent
+    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
+    total = transfer(p, axis_name, "all-gather", gather, consume)
+    return (total if div == 1 else total / div), decode_f32(p)
+
+
+def _route(idx, vals, start, end, c, size, cap, dtype):
+    """The pairs of every owner's range, ``cap`` per owner (local indices,
+    ``c`` marking an empty slot), as ``[size, cap]`` arrays."""
+    m = idx.shape[0]
+    pos = start[:, None] + jnp.arange(cap, dtype=jnp.int32)[None, :]
+    valid = pos < end[:, None]
+    pos = jnp.clip(pos, 0, max(m - 1, 0))
+    owner_base = (jnp.arange(size, dtype=jnp.int32) * c)[:, None]
+    local = jnp.where(valid, idx[pos] - owner_base, c).astype(index_dtype(c + 1))
+    v = jnp.where(valid, vals[pos], jnp.zeros((), dtype))
+    return local, v
 
 
 def split_allgather(codec, flat, axis_name, size, key, div):
@@ -76,42 +128,31 @@ def split_allgather(codec, flat, axis_name, size, key, div):
     of each range go to their owner (``all_to_all`` in a static capacity
     tier agreed by ``pmax``, as for variable-rate codecs), the owner sums
     them densely, and the owned ranges are all-gathered dense: raw, or
-    through the TopK's ``value_codec`` where it has one (SparCML section 6),
-    the owner carrying that stage's error in its ``sent``."""
+    through the codec's ``value_codec`` where it has one (SparCML section
+    6), the owner carrying that stage's error in its ``sent``."""
     n, dtype = flat.size, flat.dtype
     me = lax.axis_index(axis_name)
-    c = -(-n // size)
+    c = _owned_len(n, size)
     p = codec.encode(flat, key)
-    sent = codec.decode(p).astype(jnp.float32)
-    idx, vals = topk_ops.sparse_pairs(p)  # ascending; padding reads n
+    sent = decode_f32(p)
+    idx, vals = codec.pairs(p)  # ascending; padding reads n
     m = idx.shape[0]
     bounds = jnp.arange(size + 1, dtype=jnp.int32) * c
     edges = jnp.searchsorted(idx, jnp.minimum(bounds, n), side="left").astype(jnp.int32)
     start, end = edges[:-1], edges[1:]
     need = lax.pmax(jnp.max(end - start), axis_name)
     caps = split_tiers(m, size)
-    local_dtype = topk_ops.index_dtype(c + 1)  # local indices, c marks padding
     vals = vals.astype(dtype)
 
     def branch(cap):
         def run(_):
-            pos = start[:, None] + jnp.arange(cap, dtype=jnp.int32)[None, :]
-            valid = pos < end[:, None]
-            pos = jnp.clip(pos, 0, max(m - 1, 0))
-            owner_base = (jnp.arange(size, dtype=jnp.int32) * c)[:, None]
-            local = jnp.where(valid, idx[pos] - owner_base, c).astype(local_dtype)
-            v = jnp.where(valid, vals[pos], jnp.zeros((), dtype))
-            got = exchange(
-                lambda a: lax.all_to_all(a, axis_name, 0, 0),
-                {"i": local, "v": as_bits(v)},
-                "all-to-all",
-            )
-            gv = lax.bitcast_convert_type(got["v"], dtype) if got["v"].dtype != dtype else got["v"]
-            return (
-                jnp.zeros((c,), jnp.float32)
-                .at[got["i"].reshape(-1).astype(jnp.int32)]
-                .add(gv.reshape(-1).astype(jnp.float32), mode="drop")
-            )
+            local, v = _route(idx, vals, start, end, c, size, cap, dtype)
+            record("all-to-all", (local, v))
+            to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
+            gi = to_owner(local)
+            gv = to_owner(as_bits(v))
+            gv = lax.bitcast_convert_type(gv, dtype) if gv.dtype != dtype else gv
+            return scatter_add(gi.astype(jnp.int32), gv, c)
 
         return run
 
@@ -121,19 +162,11 @@ def split_allgather(codec, flat, axis_name, size, key, div):
         index = jnp.sum(need > jnp.asarray(caps[:-1], jnp.int32)) if len(caps) > 1 else 0
         owned = lax.switch(index, [branch(cap) for cap in caps], None)
     target = owned if div == 1 else owned / div
-    vc = codec.value_codec
-    if vc is None:
-        final_mine = target.astype(dtype)
-        gathered = exchange(
-            lambda a: lax.all_gather(a, axis_name), {"v": final_mine}, "all-gather"
-        )["v"]
-        total = gathered.astype(jnp.float32).reshape(-1)[:n]
-        final_mine = final_mine.astype(jnp.float32)
-    else:
-        p2 = vc.encode(target.astype(dtype), fold(key, size))
-        final_mine = vc.decode(p2).astype(jnp.float32)
-        gathered = exchange(lambda a: lax.all_gather(a, axis_name), p2.arrays, "all-gather")
-        total = decode_rows(vc, gathered, c, dtype).reshape(-1)[:n]
+    dense = codec.value_codec or Identity()  # the dense stage: quantized, or raw
+    p2 = dense.encode(target.astype(dtype), fold(key, size))
+    final_mine = decode_f32(p2)
+    gathered = exchange(lambda a: lax.all_gather(a, axis_name), p2, "all-gather")
+    total = decode_rows(gathered).reshape(-1)[:n]
     # The dense stage's error on my range (in units of the sum) is mine.
     error = final_mine - owned if div == 1 else final_mine * div - owned
     full = jnp.pad(sent, (0, size * c - n))
@@ -147,10 +180,7 @@ def split_allgather(codec, flat, axis_name, size, key, div):
 def sparse(codec, flat, axis_name, size, key, div):
     """The ``sparse`` algorithm: static sparse all-reduce or
     DSAR_Split_allgather, by :func:`static_fits`."""
-    if not is_sparse(codec):
-        raise ValueError(
-            f"jc.psum: algorithm='sparse' carries TopK payloads (index/value pairs), got {codec!r}"
-        )
+    _check(codec)
     if static_fits(codec, flat.size, flat.dtype, size):
         return static_allreduce(codec, flat, axis_name, size, key, div)
     return split_allgather(codec, flat, axis_name, size, key, div)

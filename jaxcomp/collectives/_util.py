@@ -1,4 +1,10 @@
-"""Helpers shared by the all-reduce algorithms."""
+"""Helpers shared by the all-reduce algorithms.
+
+Payloads travel as :class:`~jaxcomp.Payload` objects whose arrays may carry
+leading axes (one per stacked tensor); the metadata describes one tensor.
+Everything here reads the codec protocol (:mod:`jaxcomp.codecs.base`), never
+a particular codec.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec
+from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.payload import Payload
 
 
@@ -25,12 +31,16 @@ def axis_size(axis_name) -> int:
 
 
 def device_key(codec: Codec, key, axis_name) -> jax.Array | None:
-    """A key per device (stochastic codecs): the caller's key folded with the
-    device's index, so devices draw independent bits."""
+    """The key a device encodes with (stochastic codecs): the caller's key
+    folded with the device's index, so devices draw independent bits; for a
+    linear codec the caller's key itself, since the payloads of all devices
+    must be drawn alike to be summed."""
     if not codec.stochastic:
         return None
     if key is None:
         raise ValueError(f"jc.psum: {codec!r} is stochastic and needs key=")
+    if codec.rate is Rate.LINEAR:
+        return key
     return jax.random.fold_in(key, lax.axis_index(axis_name))
 
 
@@ -38,13 +48,30 @@ def fold(key, i: int | jax.Array):
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def decode_all(codec: Codec, arrays: dict[str, jax.Array], n: int, dtype) -> jax.Array:
-    """Decodes a stack of payloads (leading axis) into float32 [stack, n]."""
+def decode_f32(payload: Payload) -> jax.Array:
+    """One tensor's payload decoded, flat, in float32."""
+    return payload.codec.decode(payload).reshape(-1).astype(jnp.float32)
 
-    def one(arrs):
-        return codec.decode(Payload(codec, (n,), dtype, arrs)).astype(jnp.float32)
 
-    return jax.vmap(one)(arrays)
+def decode_rows(payload: Payload) -> jax.Array:
+    """Stacked payloads (one leading axis) of ``n`` values each -> float32
+    ``[rows, n]``: one decode of the joined payload where the codec splits
+    at ``n``, else one batched decode."""
+    codec, n = payload.codec, payload.size
+    rows = next(iter(payload.arrays.values())).shape[0]
+    g = codec.split_granularity()
+    if g and n % g == 0:
+        joined = payload.map(lambda a: a.reshape(rows * a.shape[1], *a.shape[2:]))
+        joined = Payload(codec, (rows * n,), payload.dtype, joined.arrays)
+        return decode_f32(joined).reshape(rows, n)
+    return jax.vmap(decode_f32)(payload)
+
+
+def split(payload: Payload, parts: int) -> Payload:
+    """One payload as ``parts`` stacked payloads of its consecutive chunks
+    (the codec must split at ``size / parts``)."""
+    stacked = payload.map(lambda a: a.reshape(parts, a.shape[0] // parts, *a.shape[1:]))
+    return Payload(payload.codec, (payload.size // parts,), payload.dtype, stacked.arrays)
 
 
 def ordered_sum(rows: jax.Array) -> jax.Array:
@@ -58,6 +85,19 @@ def ordered_sum(rows: jax.Array) -> jax.Array:
 def chunked(flat: jax.Array, parts: int) -> tuple[jax.Array, int]:
     c = -(-flat.size // parts) if flat.size else 0
     return jnp.pad(flat, (0, parts * c - flat.size)).reshape(parts, c), c
+
+
+def chunk_len(codec: Codec, n: int, parts: int) -> int:
+    """Elements per chunk when ``n`` values are split over ``parts`` devices:
+    ceil(n / parts), rounded up to the codec's split granularity, so that one
+    encoding of the whole padded tensor splits into per-chunk payloads."""
+    c = -(-n // parts) if n else 0
+    g = codec.split_granularity()
+    return -(-c // g) * g if g else c
+
+
+def padded(flat: jax.Array, total: int) -> jax.Array:
+    return flat if flat.size == total else jnp.pad(flat, (0, total - flat.size))
 
 
 def as_bits(a: jax.Array) -> jax.Array:
@@ -92,118 +132,73 @@ def wire_log() -> Iterator[list[tuple[str, int]]]:
         _LOGS.remove(log)
 
 
-def record(kind: str, arrays: dict[str, jax.Array]) -> None:
+def record(kind: str, arrays) -> None:
     """Logs (at run time) the operand bytes of one collective, if a
     :func:`wire_log` is open while this is traced."""
     if not _LOGS:
         return
     log = _LOGS[-1]
-    nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in arrays.values())
+    nbytes = sum(int(np.prod(a.shape, dtype=np.int64)) * a.dtype.itemsize for a in arrays)
     jax.debug.callback(lambda: log.append((kind, nbytes)))
 
 
-def exchange(op, arrays: dict[str, jax.Array], kind: str | None = None) -> dict[str, jax.Array]:
-    """Applies a collective to every payload array, moving raw bits."""
-    if kind is not None:
-        record(kind, arrays)
-    out = {}
-    for k, a in arrays.items():
+def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) -> Payload:
+    """Applies a data-moving collective to every payload array, moving raw
+    bits (16-bit floats as uint16)."""
+    record(kind, payload.arrays.values())
+
+    def move(a):
         b = op(as_bits(a))
-        out[k] = b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
-    return out
+        return b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
 
-
-def chunk_len(codec: Codec, n: int, parts: int) -> int:
-    """Elements per chunk when ``n`` values are split over ``parts`` devices:
-    ceil(n / parts), rounded up to the codec's split granularity, so that one
-    encoding of the whole padded tensor splits into per-chunk payloads."""
-    c = -(-n // parts) if n else 0
-    g = codec.split_granularity()
-    return -(-c // g) * g if g else c
-
-
-def padded(flat: jax.Array, total: int) -> jax.Array:
-    return flat if flat.size == total else jnp.pad(flat, (0, total - flat.size))
-
-
-def split(arrays: dict[str, jax.Array], parts: int) -> dict[str, jax.Array]:
-    """One payload's arrays as ``parts`` stacked payloads (leading axis)."""
-    return {k: a.reshape(parts, a.shape[0] // parts, *a.shape[1:]) for k, a in arrays.items()}
-
-
-def join(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Stacked payloads (leading axis) as the arrays of one payload."""
-    return {k: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) for k, a in arrays.items()}
-
-
-def decode_rows(codec: Codec, arrays: dict[str, jax.Array], n: int, dtype) -> jax.Array:
-    """Decodes stacked payloads of ``n`` values each into float32 [stack, n]:
-    one decode of the joined payload where the codec splits at ``n``, else
-    one decode per payload."""
-    g = codec.split_granularity()
-    if g and n % g == 0:
-        rows = next(iter(arrays.values())).shape[0]
-        joined = Payload(codec, (rows * n,), dtype, join(arrays))
-        return codec.decode(joined).astype(jnp.float32).reshape(rows, n)
-    return decode_all(codec, arrays, n, dtype)
+    return payload.map(move)
 
 
 # ---------------------------------------------------------------------------
 # Variable-rate payloads: capacity tiers
 # ---------------------------------------------------------------------------
-# Capacities tried, as divisors of the no-ZRE size: the smallest that holds
-# every device's stream is used. 3LC's zero-run encoding shrinks a stream at
-# most 14-fold (14 bytes of 121 become one), so no tier below 1/14 could
-# ever be taken; between 1/14 and the full size the steps waste at most
-# about 40% of a tier.
-TIER_DIVISORS = (14, 10, 7, 5, 4, 3, 2, 1)
-
-
-def variable_rate(codec: Codec) -> bool:
-    """Whether the codec's payload is a fixed-capacity buffer of a
-    variable-length stream (it then provides ``stream_capacity(n)``,
-    ``stream_length(payload)`` and ``with_capacity(payload, nbytes)``)."""
-    return callable(getattr(codec, "with_capacity", None))
-
-
 def tier_capacities(codec: Codec, n: int) -> tuple[int, ...]:
     """The static buffer capacities a variable-rate payload of ``n`` values
-    may travel in, ascending; the last is the codec's own (no-ZRE) size."""
-    full = codec.stream_capacity(n)
-    return tuple(sorted({-(-full // d) for d in TIER_DIVISORS}))
+    may travel in, ascending (the codec's :meth:`capacity_tiers`)."""
+    if codec.rate is not Rate.VARIABLE:
+        raise ValueError(f"tier_capacities: {codec!r} is not a variable-rate codec")
+    return codec.capacity_tiers(n)
+
+
+def own_capacity(codec: Codec, payload: Payload) -> Payload:
+    """A payload received in a capacity tier, back at ``codec``'s own
+    capacity (to forward it, as the ring does)."""
+    if payload.codec == codec:
+        return payload
+    full = payload.codec.with_capacity(payload, codec.stream_capacity(payload.size))
+    return Payload(codec, payload.shape, payload.dtype, full.arrays)
 
 
 def transfer(
-    codec: Codec,
-    arrays: dict[str, jax.Array],
-    n: int,
-    dtype,
+    payload: Payload,
     axis_name,
     kind: str,
     op: Callable[[jax.Array], jax.Array],
-    consume: Callable[[Codec, dict[str, jax.Array]], jax.Array],
-) -> jax.Array:
-    """Moves a payload (``arrays``, possibly stacked) with the collective
-    ``op`` and hands the result to ``consume(codec, arrays)``.
+    consume: Callable[[Payload], jax.Array | tuple],
+):
+    """Moves a payload (possibly stacked) with the collective ``op`` and
+    hands what arrives to ``consume``.
 
-    Fixed-rate codecs: exactly that. Variable-rate codecs: a ``pmax`` over
+    Fixed-size payloads: exactly that. Variable-rate codecs: a ``pmax`` over
     the axis agrees on the longest stream, and ``lax.switch`` picks the
     smallest capacity tier that holds it, so the bytes on the wire follow
     the data while every shape stays static; nothing is ever truncated
-    (the last tier is the full size, which every stream fits).
+    (the last tier is the full size, which every stream fits). ``consume``
+    must then return the same structure whatever the tier.
     """
-    if not variable_rate(codec):
-        return consume(codec, exchange(op, arrays, kind))
-    caps = tier_capacities(codec, n)
-    payload = Payload(codec, (n,), dtype, arrays)
+    codec = payload.codec
+    if codec.rate is not Rate.VARIABLE:
+        return consume(exchange(op, payload, kind))
+    caps = codec.capacity_tiers(payload.size)
     need = lax.pmax(jnp.max(codec.stream_length(payload)), axis_name)
     index = jnp.sum(need > jnp.asarray(caps[:-1], jnp.int32)) if len(caps) > 1 else 0
 
     def branch(cap):
-        def run(arrs):
-            p = codec.with_capacity(Payload(codec, (n,), dtype, arrs), cap)
-            return consume(p.codec, exchange(op, p.arrays, kind))
+        return lambda p: consume(exchange(op, codec.with_capacity(p, cap), kind))
 
-        return run
-
-    return lax.switch(index, [branch(c) for c in caps], arrays)
+    return lax.switch(index, [branch(c) for c in caps], payload)

@@ -1,8 +1,14 @@
-"""One function per FFI target, each with its pure-JAX twin (``*_ref``).
+"""Building blocks shared by the codecs' pure-JAX twins, and the dispatch
+between FFI kernels and twins.
 
-Platform dispatch lives in :mod:`jaxcomp.ops._dispatch` and only there.
+Each codec's kernel calls and twins live in its own module of
+:mod:`jaxcomp.codecs`; what several of them share is here: the
+counter-based random bits (:mod:`~jaxcomp.ops.rng`), bit packing
+(:mod:`~jaxcomp.ops.packing`), base-3^5 packing (:mod:`~jaxcomp.ops.ternary`)
+and the bucket helpers. Platform dispatch lives in
+:mod:`jaxcomp.ops._dispatch` and only there.
 """
 
-from jaxcomp.ops import cast, int8, natural, onebit, packing, qsgd, rng, ternary, terngrad
+from jaxcomp.ops import packing, rng, ternary
 
-__all__ = ["cast", "int8", "natural", "onebit", "packing", "qsgd", "rng", "ternary", "terngrad"]
+__all__ = ["packing", "rng", "ternary"]
