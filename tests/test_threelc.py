@@ -22,7 +22,7 @@ needs_ffi = pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not b
 BACKENDS = ["ffi", "xla"] if jc.cpu_available() else ["xla"]
 TINY = np.float32(np.finfo(np.float32).tiny)
 
-# ffi/threelc_ops.cc: base-3^5 bytes per zero-run partition (kElementsPerTask / 5).
+# ffi/threelc.cc: base-3^5 bytes per zero-run partition (kElementsPerTask / 5).
 PART_BYTES = 65536 // 5
 
 
@@ -158,7 +158,7 @@ SPARSITIES = [1.0, 1.25, 1.5, 1.75, 1.9, 1.99]
 # ---------------------------------------------------------------------------
 @settings(
     derandomize=True,
-    max_examples=30,
+    max_examples=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -176,8 +176,7 @@ def test_matches_reference(n, seed, density, zero_blocks, s, dtype):
     check_against_reference(x.astype(dtype), s)
 
 
-@pytest.mark.parametrize("n", [5 * 65536 * 3 + 3, 1 << 20])
-@pytest.mark.parametrize("s", [1.0, 1.75])
+@pytest.mark.parametrize("n, s", [(5 * 65536 * 3 + 3, 1.75), (1 << 20, 1.0)])
 def test_matches_reference_large(n, s):
     rng = np.random.default_rng(n)
     check_against_reference(sparse_spikes(rng, n, 0.0002, 200), s)
@@ -413,8 +412,8 @@ def test_zero_capacity():
         assert not bool(ThreeLC.overflowed(e)) and _dec(e, backend).shape == (0,)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_with_capacity_round_trip(backend):
+def test_with_capacity_round_trip():
+    backend = "auto"  # cutting is backend-free; decoding at any capacity: test_golden
     x = _sparse_input(seed=8)
     codec = ThreeLC(sparsity=1.5)
     full = _enc(x, codec, backend)

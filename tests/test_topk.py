@@ -121,28 +121,32 @@ CONFIGS = [
     TopK(k_per_bucket=(100, 256)),
     TopK(k_per_bucket=(700, 1024)),
 ]
-SIZES = [1, 7, 256, 257, 4099, 65537]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# Sizes with the dtype each runs in: every dtype with small, odd and
+# multi-chunk sizes.
+SIZES = [
+    (1, "float16"),
+    (7, "bfloat16"),
+    (256, "float32"),
+    (257, "float16"),
+    (4099, "bfloat16"),
+    (70001, "float32"),
+]
+
+
 @pytest.mark.parametrize("codec", CONFIGS, ids=repr)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_exact_against_numpy(codec, dtype, backend):
-    for n in SIZES:
+def test_exact_against_numpy_on_both_backends(codec):
+    """The kernel against the numpy reference, and the twin against the
+    kernel byte for byte, on inputs with ties at every threshold, equal
+    values, zeros of both signs and non-finite values."""
+    for n, dtype in SIZES:
         for name, x in special_inputs(n, dtype, seed=n).items():
-            check_exact(codec, x, backend, f"{codec!r} {dtype} n={n} {name}")
-
-
-@needs_ffi
-@pytest.mark.parametrize("codec", CONFIGS, ids=repr)
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_backends_byte_identical(codec, dtype):
-    for n in [513, 70001]:
-        for name, x in special_inputs(n, dtype, seed=n + 1).items():
-            p = encode(jnp.asarray(x), KEY, codec, "ffi")
-            q = encode(jnp.asarray(x), KEY, codec, "xla")
-            assert_same_payload(p, q, f"{codec!r} {dtype} n={n} {name}")
-            assert_same_bytes(decode(p, "ffi"), decode(p, "xla"), f"decode n={n} {name}")
+            what = f"{codec!r} {dtype} n={n} {name}"
+            p = check_exact(codec, x, "auto", what)
+            if jc.cpu_available():
+                assert_same_payload(p, encode(jnp.asarray(x), KEY, codec, "xla"), what)
+                assert_same_bytes(decode(p, "ffi"), decode(p, "xla"), f"{what} decode")
 
 
 def _large_inputs(n: int) -> dict[str, np.ndarray]:
@@ -167,19 +171,22 @@ def _large_inputs(n: int) -> dict[str, np.ndarray]:
     return x
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
-    "codec",
-    [TopK(fraction=0.01), TopK(fraction=0.2), TopK(fraction=0.001), TopK(k_per_bucket=(8, 512))],
+    "codec, dtype",
+    [
+        (TopK(fraction=0.01), "float32"),
+        (TopK(fraction=0.2), "bfloat16"),
+        (TopK(fraction=0.001), "float32"),
+        (TopK(k_per_bucket=(8, 512)), "bfloat16"),
+    ],
     ids=repr,
 )
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_large_inputs_exact(codec, dtype, backend):
+def test_large_inputs_exact(codec, dtype):
     """Several times 2^16 elements (and over 2^20), so that the threaded and
-    sampled paths of the kernel run."""
+    sampled paths of the kernel run (the twin is one lax.top_k)."""
     n = (1 << 20) + 4099
     for name, x in _large_inputs(n).items():
-        check_exact(codec, jnp.asarray(x).astype(dtype), backend, f"{codec!r} {dtype} {name}")
+        check_exact(codec, jnp.asarray(x).astype(dtype), "auto", f"{codec!r} {dtype} {name}")
 
 
 @needs_ffi
@@ -320,23 +327,6 @@ def test_empty_and_scalar():
 
 
 # ---------------------------------------------------------------------------
-# jit and vmap.
-# ---------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_jit_and_vmap(backend):
-    xs = jnp.stack([gradient_like(3000, seed=s) for s in range(4)])
-    for c in (TopK(fraction=0.02), TopK(k_per_bucket=(4, 64))):
-        enc = jax.jit(jax.vmap(lambda x, c=c: c.encode(x, backend=backend)))
-        ps = enc(xs)
-        ys = jax.jit(jax.vmap(lambda p, c=c: c.decode(p, backend=backend)))(ps)
-        for i in range(4):
-            p = c.encode(xs[i], backend="xla")
-            for k in p.arrays:
-                assert_same_bytes(ps[k][i], p[k], f"{c!r} row {i} {k}")
-            assert_same_bytes(ys[i], c.decode(p, backend="xla"))
-
-
-# ---------------------------------------------------------------------------
 # Nested value codecs.
 # ---------------------------------------------------------------------------
 NESTED = [
@@ -353,8 +343,11 @@ NESTED = [
 ]
 
 
-@pytest.mark.parametrize("vc", NESTED, ids=repr)
-@pytest.mark.parametrize("mode", [dict(fraction=0.05), dict(k_per_bucket=(8, 64))], ids=str)
+@pytest.mark.parametrize(
+    "vc, mode",
+    [(vc, [dict(fraction=0.05), dict(k_per_bucket=(8, 64))][i % 2]) for i, vc in enumerate(NESTED)],
+    ids=repr,
+)
 def test_nested_value_codec(vc, mode):
     x = gradient_like(5003, seed=2)
     plain = TopK(**mode)
