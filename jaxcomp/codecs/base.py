@@ -203,9 +203,14 @@ class Codec:
       ``stochastic`` (class variables; ``stochastic`` may be a property when
       it depends on the config);
     - :meth:`arrays`, its payload layout;
-    - ``_encode(flat, key, backend)``, returning the payload arrays in
-      layout order, and ``_decode(payload, backend)``, returning the flat
-      tensor: both through :meth:`kernel` (FFI kernel or pure-JAX twin);
+    - its kernels' pure-JAX twins, :meth:`twin_encode` and
+      :meth:`twin_decode`: the FFI targets ``jaxcomp_<name>_encode`` and
+      ``jaxcomp_<name>_decode`` take the flat tensor (and the seed words, if
+      ``seeded``) and the payload arrays, with the attributes
+      :meth:`kernel_attrs`, and must give the same bytes as the twins.
+      Codecs whose kernels do not fit that pattern override ``_encode``
+      (returning the payload arrays in layout order) and ``_decode``
+      (returning the flat tensor), both through :meth:`kernel`;
     - :meth:`wire_params` / :meth:`from_wire_params` when its config is not
       just integer fields, and :meth:`split_granularity` where it applies;
     - :meth:`examples`, configurations for the tests and benchmarks.
@@ -215,6 +220,7 @@ class Codec:
     codec_id: ClassVar[int]
     rate: ClassVar[Rate] = Rate.FIXED
     stochastic: ClassVar[bool] = False
+    seeded: ClassVar[bool] = False  # the encode kernel takes two uint32 seed words
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -222,11 +228,44 @@ class Codec:
         every array's name, element count and dtype, in wire order."""
         raise NotImplementedError
 
-    def _encode(self, flat: jax.Array, key: jax.Array | None, backend: str) -> Sequence[jax.Array]:
+    def twin_encode(self, flat: jax.Array, *seed: jax.Array) -> Sequence[jax.Array]:
+        """The pure-JAX twin of the encode kernel: the payload arrays of a
+        flat tensor, in layout order (``seed``: two uint32 words, for
+        ``seeded`` codecs). It is the oracle the kernels are tested against,
+        byte for byte, and what runs on platforms without kernels."""
         raise NotImplementedError
 
-    def _decode(self, payload: Payload, backend: str) -> jax.Array:
+    def twin_decode(self, *arrays: jax.Array, n: int, dtype: Any) -> jax.Array:
+        """The pure-JAX twin of the decode kernel: the flat tensor of ``n``
+        elements of ``dtype`` from the payload arrays, in layout order."""
         raise NotImplementedError
+
+    def kernel_attrs(self, decode: bool) -> dict[str, int]:
+        """The integer attributes of the encode (or decode) kernel."""
+        return {}
+
+    def _encode(self, flat: jax.Array, key: jax.Array | None, backend: str) -> Sequence[jax.Array]:
+        return self.kernel(
+            backend,
+            f"jaxcomp_{self.name}_encode",
+            self.twin_encode,
+            (flat, self.seed(key)) if self.seeded else (flat,),
+            self.arrays(flat.size, flat.dtype).values(),
+            **self.kernel_attrs(decode=False),
+        )
+
+    def _decode(self, payload: Payload, backend: str) -> jax.Array:
+        def twin(*arrays):
+            return (self.twin_decode(*arrays, n=payload.size, dtype=payload.dtype),)
+
+        return self.kernel(
+            backend,
+            f"jaxcomp_{self.name}_decode",
+            twin,
+            tuple(payload.arrays.values()),
+            (self.output(payload),),
+            **self.kernel_attrs(decode=True),
+        )[0]
 
     @classmethod
     def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
@@ -407,16 +446,30 @@ class Codec:
 
 
 class BucketedCodec(Codec):
-    """A codec over independent buckets of ``bucket_size`` values (a field
-    of the subclass): its payloads split at bucket boundaries."""
+    """A codec with a scale (or a few statistics) per bucket of
+    ``bucket_size`` values, a field of the subclass validated here; by
+    default its payloads split at bucket boundaries and its kernels take
+    the bucket size as their attribute."""
 
     bucket_size: int
+
+    def __post_init__(self):
+        check_bucket_size(type(self).__name__, self.bucket_size)
+
+    @classmethod
+    def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
+        """The default configuration; for coverage also the smallest bucket
+        (8 values: one byte of 1-bit codes)."""
+        return (cls(), cls(bucket_size=8)) if coverage else (cls(),)
 
     def num_buckets(self, n: int) -> int:
         return num_buckets(n, self.bucket_size)
 
     def split_granularity(self) -> int | None:
         return self.bucket_size
+
+    def kernel_attrs(self, decode: bool) -> dict[str, int]:
+        return {"bucket_size": self.bucket_size}
 
 
 class VariableRateCodec(Codec):

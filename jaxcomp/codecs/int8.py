@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, array, register
 from jaxcomp.ops import _bucket as bk
 
 
@@ -34,52 +33,20 @@ class Int8(BucketedCodec):
     name: ClassVar[str] = "int8"
     codec_id: ClassVar[int] = 3
 
-    def __post_init__(self):
-        check_bucket_size("Int8", self.bucket_size)
-
-    @classmethod
-    def examples(cls, *, coverage=False):
-        return (cls(), cls(bucket_size=64)) if coverage else (cls(),)
-
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)
         return {"q": array(nb * self.bucket_size, np.int8), "scales": array(nb, np.float32)}
 
-    def _encode(self, flat, key, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_int8_encode",
-            lambda x: encode_ref(x, self.bucket_size),
-            (flat,),
-            self.arrays(flat.size, flat.dtype).values(),
-            bucket_size=self.bucket_size,
-        )
+    def twin_encode(self, x):
+        xb = bk.to_buckets(x, self.bucket_size)
+        m = bk.max_abs(xb)
+        t = xb * bk.safe_recip(m, 127.0)[:, None]
+        t = jnp.where(t < -127, np.float32(-127), t)
+        t = jnp.where(t > 127, np.float32(127), t)
+        t = jnp.where(t == t, t, np.float32(0))
+        return jnp.round(t).astype(jnp.int8).reshape(-1), m
 
-    def _decode(self, payload, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_int8_decode",
-            lambda q, s: (decode_ref(q, s, payload.size, payload.dtype, self.bucket_size),),
-            (payload["q"], payload["scales"]),
-            (self.output(payload),),
-            bucket_size=self.bucket_size,
-        )[0]
-
-
-# ---------------------------------------------------------------------------
-# Pure-JAX twins (int8.h: int8_code, int8_value)
-# ---------------------------------------------------------------------------
-def encode_ref(x: jax.Array, bucket: int):
-    xb = bk.to_buckets(x, bucket)
-    m = bk.max_abs(xb)
-    t = xb * bk.safe_recip(m, 127.0)[:, None]
-    t = jnp.where(t < -127, np.float32(-127), t)
-    t = jnp.where(t > 127, np.float32(127), t)
-    t = jnp.where(t == t, t, np.float32(0))
-    return jnp.round(t).astype(jnp.int8).reshape(-1), m
-
-
-def decode_ref(q: jax.Array, scales: jax.Array, n: int, dtype, bucket: int):
-    step = scales * (np.float32(1) / np.float32(127))  # int8.h: int8_step
-    values = q.reshape(-1, bucket).astype(jnp.float32) * step[:, None]
-    return bk.from_buckets(values, n, dtype)
+    def twin_decode(self, q, scales, *, n, dtype):
+        step = scales * (np.float32(1) / np.float32(127))  # int8.h: int8_step
+        values = q.reshape(-1, self.bucket_size).astype(jnp.float32) * step[:, None]
+        return bk.from_buckets(values, n, dtype)

@@ -50,6 +50,7 @@ class Natural(BucketedCodec):
 
     name: ClassVar[str] = "natural"
     codec_id: ClassVar[int] = 6
+    seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
 
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):
@@ -66,26 +67,15 @@ class Natural(BucketedCodec):
     def arrays(self, n, dtype):
         return {"codes": array(n, np.uint8), "tops": array(self.num_buckets(n), np.uint8)}
 
-    def _encode(self, flat, key, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_natural_encode",
-            lambda x, seed: encode_ref(x, seed, self.bucket_size, self.stochastic),
-            (flat, self.seed(key)),  # deterministic: the kernel takes (and ignores) a seed
-            self.arrays(flat.size, flat.dtype).values(),
-            bucket_size=self.bucket_size,
-            stochastic=int(self.stochastic),
-        )
+    def kernel_attrs(self, decode):
+        attrs = {"bucket_size": self.bucket_size}
+        return attrs if decode else {**attrs, "stochastic": int(self.stochastic)}
 
-    def _decode(self, payload, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_natural_decode",
-            lambda c, t: (decode_ref(c, t, payload.size, payload.dtype, self.bucket_size),),
-            (payload["codes"], payload["tops"]),
-            (self.output(payload),),
-            bucket_size=self.bucket_size,
-        )[0]
+    def twin_encode(self, flat, seed):
+        return encode_ref(flat, seed, self.bucket_size, self.stochastic)
+
+    def twin_decode(self, codes, tops, *, n, dtype):
+        return decode_ref(codes, tops, n, dtype, self.bucket_size)
 
 
 # ---------------------------------------------------------------------------

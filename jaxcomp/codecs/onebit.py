@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, array, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops.packing import pack, unpack
 
@@ -37,13 +37,6 @@ class OneBit(BucketedCodec):
     name: ClassVar[str] = "onebit"
     codec_id: ClassVar[int] = 2
 
-    def __post_init__(self):
-        check_bucket_size("OneBit", self.bucket_size)
-
-    @classmethod
-    def examples(cls, *, coverage=False):
-        return (cls(), cls(bucket_size=8)) if coverage else (cls(),)
-
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)
         return {
@@ -51,25 +44,23 @@ class OneBit(BucketedCodec):
             "means": array(2 * nb, np.float32),
         }
 
-    def _encode(self, flat, key, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_onebit_encode",
-            lambda x: encode_ref(x, self.bucket_size),
-            (flat,),
-            self.arrays(flat.size, flat.dtype).values(),
-            bucket_size=self.bucket_size,
-        )
+    def twin_encode(self, x):
+        n = x.size
+        xb = bk.to_buckets(x, self.bucket_size)
+        p = xb >= 0  # NaN goes to the negative side and poisons avg-
+        valid = jnp.arange(xb.size).reshape(xb.shape) < n
+        npos = jnp.sum(p & valid, axis=1, dtype=jnp.uint32)
+        nneg = jnp.sum(valid, axis=1, dtype=jnp.uint32) - npos
+        zero = np.float32(0)
+        hi = _mean(bk.tree_sum(jnp.where(p, xb, zero)), npos)
+        lo = _mean(bk.tree_sum(jnp.where(p, zero, xb)), nneg)
+        return pack(p.astype(jnp.uint8).reshape(-1), 1), jnp.stack([hi, lo], axis=1).reshape(-1)
 
-    def _decode(self, payload, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_onebit_decode",
-            lambda b, m: (decode_ref(b, m, payload.size, payload.dtype, self.bucket_size),),
-            (payload["bits"], payload["means"]),
-            (self.output(payload),),
-            bucket_size=self.bucket_size,
-        )[0]
+    def twin_decode(self, bits, means, *, n, dtype):
+        codes = unpack(bits, 1).reshape(-1, self.bucket_size)
+        m = means.reshape(-1, 2)
+        values = jnp.where(codes != 0, m[:, :1], m[:, 1:])
+        return bk.from_buckets(values, n, dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -78,23 +69,3 @@ class OneBit(BucketedCodec):
 def _mean(total: jax.Array, count: jax.Array) -> jax.Array:
     positive = count > 0
     return jnp.where(positive, total / jnp.where(positive, count, 1).astype(jnp.float32), 0.0)
-
-
-def encode_ref(x: jax.Array, bucket: int):
-    n = x.size
-    xb = bk.to_buckets(x, bucket)
-    p = xb >= 0  # NaN goes to the negative side and poisons avg-
-    valid = jnp.arange(xb.size).reshape(xb.shape) < n
-    npos = jnp.sum(p & valid, axis=1, dtype=jnp.uint32)
-    nneg = jnp.sum(valid, axis=1, dtype=jnp.uint32) - npos
-    zero = np.float32(0)
-    hi = _mean(bk.tree_sum(jnp.where(p, xb, zero)), npos)
-    lo = _mean(bk.tree_sum(jnp.where(p, zero, xb)), nneg)
-    return pack(p.astype(jnp.uint8).reshape(-1), 1), jnp.stack([hi, lo], axis=1).reshape(-1)
-
-
-def decode_ref(bits: jax.Array, means: jax.Array, n: int, dtype, bucket: int):
-    codes = unpack(bits, 1).reshape(-1, bucket)
-    m = means.reshape(-1, 2)
-    values = jnp.where(codes != 0, m[:, :1], m[:, 1:])
-    return bk.from_buckets(values, n, dtype)

@@ -49,6 +49,7 @@ class QSGD(BucketedCodec):
     name: ClassVar[str] = "qsgd"
     codec_id: ClassVar[int] = 1
     stochastic: ClassVar[bool] = True
+    seeded: ClassVar[bool] = True
 
     def __post_init__(self):
         check_int("QSGD", "bits", self.bits, "one of 2, 3, 4, 8", self.bits in (2, 3, 4, 8))
@@ -82,34 +83,15 @@ class QSGD(BucketedCodec):
             "scales": array(nb, np.float32),
         }
 
-    def _encode(self, flat, key, backend):
-        l2 = self.norm == "l2"
-        return self.kernel(
-            backend,
-            "jaxcomp_qsgd_encode",
-            lambda x, seed: encode_ref(x, seed, bits=self.bits, bucket=self.bucket_size, l2=l2),
-            (flat, self.seed(key)),
-            self.arrays(flat.size, flat.dtype).values(),
-            bits=self.bits,
-            bucket_size=self.bucket_size,
-            l2=int(l2),
-        )
+    def kernel_attrs(self, decode):
+        attrs = {"bits": self.bits, "bucket_size": self.bucket_size}
+        return attrs if decode else {**attrs, "l2": int(self.norm == "l2")}
 
-    def _decode(self, payload, backend):
-        def twin(codes, scales):
-            return (
-                decode_ref(codes, scales, payload.size, payload.dtype, self.bits, self.bucket_size),
-            )
+    def twin_encode(self, flat, seed):
+        return encode_ref(flat, seed, self.bits, self.bucket_size, self.norm == "l2")
 
-        return self.kernel(
-            backend,
-            "jaxcomp_qsgd_decode",
-            twin,
-            (payload["codes"], payload["scales"]),
-            (self.output(payload),),
-            bits=self.bits,
-            bucket_size=self.bucket_size,
-        )[0]
+    def twin_decode(self, codes, scales, *, n, dtype):
+        return decode_ref(codes, scales, n, dtype, self.bits, self.bucket_size)
 
     def wire_params(self):
         return (self.bits, self.bucket_size, _NORMS.index(self.norm))
@@ -125,7 +107,7 @@ class QSGD(BucketedCodec):
 # ---------------------------------------------------------------------------
 # Pure-JAX twins (qsgd.h: qsgd_code, qsgd_value)
 # ---------------------------------------------------------------------------
-def encode_ref(x: jax.Array, seed: jax.Array, *, bits: int, bucket: int, l2: bool):
+def encode_ref(x: jax.Array, seed: jax.Array, bits: int, bucket: int, l2: bool):
     s = (1 << (bits - 1)) - 1
     xb = bk.to_buckets(x, bucket)
     if l2:

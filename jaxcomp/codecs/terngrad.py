@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import Codec, array, check_bucket_size, num_buckets, register
+from jaxcomp.codecs.base import BucketedCodec, array, num_buckets, register
 from jaxcomp.ops import _bucket as bk
 from jaxcomp.ops import ternary
 from jaxcomp.ops.rng import rng_uniform
@@ -24,7 +24,7 @@ from jaxcomp.ops.rng import rng_uniform
 
 @register
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TernGrad(Codec):
+class TernGrad(BucketedCodec):
     """Each value becomes ``sign(v) * s * b`` with ``s`` the bucket's max|v|
     and ``b = 1`` with probability ``|v| / s`` (else 0): unbiased, with
     per-element variance ``s^2 p (1 - p)``, ``p = |v| / s``. The trits are
@@ -40,13 +40,7 @@ class TernGrad(Codec):
     name: ClassVar[str] = "terngrad"
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
-
-    def __post_init__(self):
-        check_bucket_size("TernGrad", self.bucket_size)
-
-    @classmethod
-    def examples(cls, *, coverage=False):
-        return (cls(), cls(bucket_size=16)) if coverage else (cls(),)
+    seeded: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         return {
@@ -54,25 +48,14 @@ class TernGrad(Codec):
             "scales": array(num_buckets(n, self.bucket_size), np.float32),
         }
 
-    def _encode(self, flat, key, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_terngrad_encode",
-            lambda x, seed: encode_ref(x, seed, self.bucket_size),
-            (flat, self.seed(key)),
-            self.arrays(flat.size, flat.dtype).values(),
-            bucket_size=self.bucket_size,
-        )
+    def split_granularity(self):
+        return None  # the trits are packed over the whole tensor
 
-    def _decode(self, payload, backend):
-        return self.kernel(
-            backend,
-            "jaxcomp_terngrad_decode",
-            lambda t, s: (decode_ref(t, s, payload.size, payload.dtype, self.bucket_size),),
-            (payload["trits"], payload["scales"]),
-            (self.output(payload),),
-            bucket_size=self.bucket_size,
-        )[0]
+    def twin_encode(self, flat, seed):
+        return encode_ref(flat, seed, self.bucket_size)
+
+    def twin_decode(self, trits, scales, *, n, dtype):
+        return decode_ref(trits, scales, n, dtype, self.bucket_size)
 
 
 # ---------------------------------------------------------------------------
