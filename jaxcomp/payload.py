@@ -36,6 +36,7 @@ class Payload:
 
     @property
     def arrays(self) -> dict[str, jax.Array]:
+        """The payload arrays by name, in the codec's layout order (a copy)."""
         return dict(self._arrays)
 
     def __getitem__(self, name: str) -> jax.Array:
@@ -54,8 +55,13 @@ class Payload:
         )
 
     def map(self, fn) -> Payload:
-        """The payload with ``fn`` applied to every array (same codec,
-        shape and dtype): e.g. a collective that adds a leading axis."""
+        """The payload with a function applied to every array.
+
+        Args:
+          fn: array -> array (e.g. a collective that adds a leading axis).
+        Returns:
+          A payload of the same codec, shape and dtype.
+        """
         return Payload(
             self.codec, self.shape, self.dtype, {k: fn(a) for k, a in self._arrays.items()}
         )
@@ -70,11 +76,13 @@ class Payload:
         return self.codec.used_nbytes(self)
 
     def tree_flatten(self):
+        """Pytree protocol: the arrays are the leaves; the rest is static."""
         names = tuple(self._arrays)
         return tuple(self._arrays[k] for k in names), (self.codec, self.shape, self.dtype, names)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
+        """Pytree protocol: the inverse of :meth:`tree_flatten`."""
         codec, shape, dtype, names = aux
         return cls(codec, shape, dtype, dict(zip(names, children, strict=True)))
 

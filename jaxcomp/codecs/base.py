@@ -224,24 +224,51 @@ class Codec:
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
-        """The payload layout for a tensor of ``n`` elements of ``dtype``:
-        every array's name, element count and dtype, in wire order."""
+        """The payload layout: the one place a payload size is written.
+
+        Args:
+          n: elements of the (flattened) tensor.
+          dtype: the tensor's dtype.
+        Returns:
+          ``{name: ShapeDtypeStruct((count,), dtype)}`` for every payload
+          array, in wire order.
+        """
         raise NotImplementedError
 
     def twin_encode(self, flat: jax.Array, *seed: jax.Array) -> Sequence[jax.Array]:
-        """The pure-JAX twin of the encode kernel: the payload arrays of a
-        flat tensor, in layout order (``seed``: two uint32 words, for
-        ``seeded`` codecs). It is the oracle the kernels are tested against,
-        byte for byte, and what runs on platforms without kernels."""
+        """The pure-JAX twin of the encode kernel.
+
+        It is the oracle the kernels are tested against, byte for byte, and
+        what runs on platforms without kernels.
+
+        Args:
+          flat: the flat tensor (float32, bfloat16 or float16).
+          *seed: for ``seeded`` codecs, the two uint32 seed words.
+        Returns:
+          The payload arrays, in layout order.
+        """
         raise NotImplementedError
 
     def twin_decode(self, *arrays: jax.Array, n: int, dtype: Any) -> jax.Array:
-        """The pure-JAX twin of the decode kernel: the flat tensor of ``n``
-        elements of ``dtype`` from the payload arrays, in layout order."""
+        """The pure-JAX twin of the decode kernel.
+
+        Args:
+          *arrays: the payload arrays, in layout order.
+          n: elements of the tensor.
+          dtype: its dtype.
+        Returns:
+          The flat decoded tensor.
+        """
         raise NotImplementedError
 
     def kernel_attrs(self, decode: bool) -> dict[str, int]:
-        """The integer attributes of the encode (or decode) kernel."""
+        """The integer attributes of a kernel call.
+
+        Args:
+          decode: the decode kernel's (True) or the encode kernel's (False).
+        Returns:
+          ``{attribute name: int}``.
+        """
         return {}
 
     def _encode(self, flat: jax.Array, key: jax.Array | None, backend: str) -> Sequence[jax.Array]:
@@ -269,11 +296,16 @@ class Codec:
 
     @classmethod
     def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
-        """Configurations of this codec: the ones users pick (the first is
-        the recommended one), and with ``coverage=True`` more that between
-        them take every code path (small and odd buckets, modes, nested
-        codecs). The contract suite runs the coverage set; the benchmarks
-        and the demo the first set."""
+        """Configurations of this codec, for the tests, benchmarks and demo.
+
+        Args:
+          coverage: also the configurations that, between them, take every
+            code path (small and odd buckets, modes, nested codecs).
+        Returns:
+          The configurations users pick (the first is the recommended one),
+          then with ``coverage`` the others. The contract suite runs the
+          coverage set; the benchmarks and the demo the first set.
+        """
         return (cls(),)
 
     def split_granularity(self) -> int | None:
@@ -297,7 +329,15 @@ class Codec:
 
     @classmethod
     def from_wire_params(cls, params: tuple[int, ...]) -> Codec:
-        """The codec of :meth:`wire_params` (the inverse; validated)."""
+        """The inverse of :meth:`wire_params`.
+
+        Args:
+          params: the int64 parameters of a wire header.
+        Returns:
+          The codec.
+        Raises:
+          ValueError: parameters that no configuration of the codec has.
+        """
         fields = dataclasses.fields(cls)
         if len(params) != len(fields):
             raise ValueError(
@@ -312,12 +352,26 @@ class Codec:
 
     # -- derived from the layout -------------------------------------------
     def layout(self, shape: tuple[int, ...], dtype: Any = jnp.float32):
-        """The payload layout (:meth:`arrays`) for a tensor of this shape."""
+        """The payload layout (:meth:`arrays`) for a tensor of this shape.
+
+        Args:
+          shape: the tensor's shape.
+          dtype: its dtype.
+        Returns:
+          ``{name: ShapeDtypeStruct}`` in wire order.
+        """
         return self.arrays(int(np.prod(shape, dtype=np.int64)), np.dtype(dtype))
 
     def wire_nbytes(self, shape: tuple[int, ...], dtype: Any = jnp.float32) -> int:
-        """Bytes on the wire for a tensor of this shape and dtype (static;
-        for variable-rate codecs, the whole capacity)."""
+        """Bytes on the wire for a tensor of this shape and dtype.
+
+        Args:
+          shape: the tensor's shape.
+          dtype: its dtype.
+        Returns:
+          The payload's bytes (static; for variable-rate codecs, the whole
+          capacity, an upper bound of what is used).
+        """
         return sum(
             int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize
             for s in self.layout(tuple(shape), dtype).values()
@@ -326,19 +380,41 @@ class Codec:
     def bits_per_element(
         self, shape: tuple[int, ...] = (1 << 20,), dtype: Any = jnp.float32
     ) -> float:
-        """Wire bits per input element for a tensor of this shape (default 2^20)."""
+        """Wire bits per input element.
+
+        Args:
+          shape: the tensor's shape (default 2^20 elements).
+          dtype: its dtype.
+        Returns:
+          ``8 * wire_nbytes / elements``.
+        """
         n = int(np.prod(shape, dtype=np.int64))
         return 8.0 * self.wire_nbytes(shape, dtype) / max(n, 1)
 
     def used_nbytes(self, payload: Payload) -> jax.Array:
-        """Bytes of ``payload`` that carry data (traced int32); all of them
-        but for variable-rate codecs."""
+        """Bytes of a payload that carry data.
+
+        Args:
+          payload: a payload of this codec.
+        Returns:
+          A traced int32 (per tensor): all the bytes but for variable-rate
+          codecs.
+        """
         return jnp.asarray(payload.nbytes, jnp.int32)
 
     def payload(self, arrays: Any, shape: tuple[int, ...], dtype: Any) -> Payload:
-        """A :class:`~jaxcomp.Payload` of this codec from its arrays (a
-        sequence in layout order, or a mapping), checked against the layout
-        (arrays may carry extra leading batch axes)."""
+        """A :class:`~jaxcomp.Payload` of this codec from its arrays.
+
+        Args:
+          arrays: a sequence in layout order, or a mapping by name; each may
+            carry extra leading (batch) axes.
+          shape: the tensor's shape.
+          dtype: its dtype.
+        Returns:
+          The payload.
+        Raises:
+          ValueError: names, sizes or dtypes that do not match the layout.
+        """
         layout = self.layout(tuple(shape), dtype)
         if not isinstance(arrays, dict):
             arrays = dict(zip(layout, arrays, strict=True))
@@ -360,8 +436,16 @@ class Codec:
 
     # -- encode / decode ---------------------------------------------------
     def check_input(self, x: Any) -> jax.Array:
-        """``x`` as an array, with a TypeError for an unsupported dtype and
-        a ValueError past the size limit."""
+        """Validates a tensor to encode.
+
+        Args:
+          x: anything ``jnp.asarray`` takes.
+        Returns:
+          ``x`` as an array.
+        Raises:
+          TypeError: a dtype other than float32, bfloat16 or float16.
+          ValueError: more than 2^32 - 1 elements.
+        """
         x = jnp.asarray(x)
         if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise TypeError(
@@ -392,7 +476,19 @@ class Codec:
         return self.payload(tuple(arrays), x.shape, x.dtype)
 
     def decode(self, payload: Payload, *, backend: str = "auto") -> jax.Array:
-        """Decodes a payload of this codec to the original shape and dtype."""
+        """Decodes a payload of this codec.
+
+        Args:
+          payload: a :class:`~jaxcomp.Payload` of this codec, of one tensor
+            (use ``jax.vmap`` for stacked payloads).
+          backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
+        Returns:
+          The tensor, in the original shape and dtype.
+        Raises:
+          TypeError: not a payload.
+          ValueError: a payload of another codec, or arrays that do not
+            match the layout.
+        """
         if not isinstance(payload, Payload):
             raise TypeError(
                 f"{type(self).__name__}.decode expects a Payload, got {type(payload).__name__}"
@@ -413,8 +509,13 @@ class Codec:
     # -- for the codecs' own use ---------------------------------------------
     @staticmethod
     def seed(key: jax.Array | None) -> jax.Array:
-        """The two uint32 seed words the kernels and twins draw bits from
-        (zeros for a deterministic call)."""
+        """The seed words the kernels and twins draw random bits from.
+
+        Args:
+          key: a JAX PRNG key, or None (a deterministic call).
+        Returns:
+          uint32[2] (zeros for None).
+        """
         return jnp.zeros((2,), jnp.uint32) if key is None else seed_words(key)
 
     @staticmethod
@@ -427,11 +528,21 @@ class Codec:
         scratch: Sequence[jax.ShapeDtypeStruct] = (),
         **attrs: int,
     ) -> tuple[jax.Array, ...]:
-        """Runs the FFI target ``target`` (results of the given shapes,
-        integer attributes) or its pure-JAX ``twin`` on ``args``, as
-        ``backend`` says (:func:`jaxcomp.ops._dispatch.dispatch`).
-        ``scratch``: work buffers the kernel takes as extra results after
-        ``results``, dropped from what it returns (the twin has none)."""
+        """Runs an FFI kernel or its pure-JAX twin, as ``backend`` says
+        (:func:`jaxcomp.ops._dispatch.dispatch`).
+
+        Args:
+          backend: "auto", "ffi" or "xla".
+          target: the FFI target's name (``jaxcomp_<op>``).
+          twin: the twin, called with ``args``; returns the results.
+          args: the operands.
+          results: the results' shapes and dtypes (from the layout).
+          scratch: work buffers the kernel takes as extra results after
+            ``results``; dropped from what it returns (the twin has none).
+          **attrs: the kernel's integer attributes.
+        Returns:
+          The results.
+        """
         results = tuple(results)
 
         def run_kernel(*a):
@@ -441,7 +552,13 @@ class Codec:
 
     @staticmethod
     def output(payload: Payload) -> jax.ShapeDtypeStruct:
-        """The flat decoded tensor's shape and dtype."""
+        """The decode kernel's result for a payload.
+
+        Args:
+          payload: a payload.
+        Returns:
+          The flat tensor's shape and dtype.
+        """
         return jax.ShapeDtypeStruct((payload.size,), payload.dtype)
 
 
@@ -463,6 +580,13 @@ class BucketedCodec(Codec):
         return (cls(), cls(bucket_size=8)) if coverage else (cls(),)
 
     def num_buckets(self, n: int) -> int:
+        """Buckets covering ``n`` values (the last one zero padded).
+
+        Args:
+          n: elements of the tensor.
+        Returns:
+          ``ceil(n / bucket_size)``.
+        """
         return num_buckets(n, self.bucket_size)
 
     def split_granularity(self) -> int | None:
@@ -484,23 +608,49 @@ class VariableRateCodec(Codec):
     rate: ClassVar[Rate] = Rate.VARIABLE
 
     def stream_capacity(self, n: int) -> int:
-        """Bytes of the stream buffer for ``n`` elements."""
+        """The codec's own buffer size.
+
+        Args:
+          n: elements of the tensor.
+        Returns:
+          Bytes of the stream buffer.
+        """
         raise NotImplementedError
 
     def stream_length(self, payload: Payload) -> jax.Array:
-        """Bytes of the complete stream (int32, any leading axes): the
-        smallest capacity that holds it."""
+        """The bytes a payload's stream needs.
+
+        Args:
+          payload: a payload of this codec (any leading axes).
+        Returns:
+          int32, per tensor: the complete stream's length, the smallest
+          capacity that holds it.
+        """
         raise NotImplementedError
 
     def with_capacity(self, payload: Payload, nbytes: int) -> Payload:
-        """The payload with its buffer cut or zero-padded to ``nbytes``, as a
-        payload of the codec configured with that capacity; marked
-        overflowed (never silently truncated) when the stream does not fit."""
+        """The payload in a buffer of another capacity.
+
+        Args:
+          payload: a payload of this codec (any leading axes; traced arrays
+            are fine).
+          nbytes: the new capacity (static).
+        Returns:
+          A payload of the codec configured with that capacity: the buffer
+          cut or zero-padded, marked overflowed (never silently truncated)
+          when the stream does not fit.
+        """
         raise NotImplementedError
 
     def capacity_tiers(self, n: int) -> tuple[int, ...]:
-        """The static capacities a payload of ``n`` values may travel in,
-        ascending; the last is :meth:`stream_capacity` (the codec's own)."""
+        """The static capacities the collectives may move a payload in.
+
+        Args:
+          n: elements of the tensor.
+        Returns:
+          Capacities in bytes, ascending; the last is
+          :meth:`stream_capacity`, the codec's own, which every stream fits.
+        """
         return (self.stream_capacity(n),)
 
 
@@ -514,13 +664,26 @@ class SparseCodec(Codec):
     value_codec: Codec | None
 
     def entries(self, n: int) -> int:
-        """Index/value pairs in the payload of ``n`` values."""
+        """The number of pairs in a payload.
+
+        Args:
+          n: elements of the tensor.
+        Returns:
+          Index/value pairs (padding entries included).
+        """
         raise NotImplementedError
 
     def pairs(self, payload: Payload, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:
-        """``(indices, values)``: global flat int32 indices and float32
-        values, ``[..., entries]`` (any leading axes of the payload kept);
-        entries that carry nothing read index ``n`` and value 0."""
+        """A payload's pairs, for the sparse all-reduce.
+
+        Args:
+          payload: a payload of this codec (any leading axes).
+          backend: for decoding the values ("auto", "ffi" or "xla").
+        Returns:
+          ``(indices, values)``: global flat int32 indices, ascending per
+          tensor, and float32 values, ``[..., entries]``; entries that carry
+          nothing read index ``n`` and value 0.
+        """
         raise NotImplementedError
 
 

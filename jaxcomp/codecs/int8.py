@@ -26,6 +26,9 @@ class Int8(BucketedCodec):
 
     Args:
       bucket_size: a power of two in [8, 65536].
+
+    References:
+      The "8-bit int" baseline of Lim et al., "3LC" (SysML 2019), section 5.1.
     """
 
     bucket_size: int = 512

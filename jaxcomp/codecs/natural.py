@@ -43,6 +43,10 @@ class Natural(BucketedCodec):
     Args:
       stochastic: unbiased random rounding (True) or nearest (False).
       bucket_size: a power of two in [8, 65536].
+
+    References:
+      Horvath et al., "Natural Compression for Distributed Deep Learning"
+      (the IntML workshop paper and its technical report), C_nat.
     """
 
     stochastic: bool = True  # type: ignore[misc]  # per instance, not per class

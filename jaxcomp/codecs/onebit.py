@@ -30,6 +30,11 @@ class OneBit(BucketedCodec):
 
     Args:
       bucket_size: a power of two in [8, 65536]; the study used 64.
+
+    References:
+      Seide et al., "1-Bit Stochastic Gradient Descent and its Application
+      to Data-Parallel Distributed Training of Speech DNNs" (Interspeech
+      2014); Grubic et al. (EDBT 2018), sections 2.2 and 3.2.2 (1bitSGD*).
     """
 
     bucket_size: int = 64

@@ -40,6 +40,12 @@ class QSGD(BucketedCodec):
       bucket_size: a power of two in [8, 65536]; the study used 512 for 4 and
         8 bits and 128 for 2 bits.
       norm: "max" or "l2".
+
+    References:
+      Alistarh et al., "QSGD: Communication-Efficient SGD via Gradient
+      Quantization and Encoding" (NeurIPS 2017); Grubic et al., "Synchronous
+      Multi-GPU Deep Learning with Low-Precision Communication: An
+      Experimental Study" (EDBT 2018), sections 2.3 and 3.2.2.
     """
 
     bits: int = 4
@@ -74,6 +80,7 @@ class QSGD(BucketedCodec):
 
     @property
     def levels(self) -> int:
+        """Levels per sign, ``s = 2^(bits-1) - 1``."""
         return (1 << (self.bits - 1)) - 1
 
     def arrays(self, n, dtype):

@@ -33,6 +33,11 @@ class TernGrad(BucketedCodec):
 
     Args:
       bucket_size: a power of two in [8, 65536].
+
+    References:
+      Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in
+      Distributed Deep Learning" (NeurIPS 2017), section 3; the base-3^5
+      packing of Lim et al., "3LC" (SysML 2019), section 3.2.
     """
 
     bucket_size: int = 512

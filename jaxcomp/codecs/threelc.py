@@ -92,6 +92,11 @@ class ThreeLC(VariableRateCodec):
         ``ceil(n / 5)``, the size without zero-run encoding, which the stream
         never exceeds. A smaller capacity saves wire bytes when the data is
         sparse enough and reports an overflow otherwise.
+
+    References:
+      Lim, Andersen, Kaminsky, "3LC: Lightweight and Effective Traffic
+      Compression for Distributed Machine Learning" (SysML 2019), sections
+      3.1-3.3.
     """
 
     sparsity: float = 1.0

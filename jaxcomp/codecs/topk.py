@@ -93,6 +93,10 @@ class TopK(SparseCodec):
       value_codec: an optional fixed-rate codec applied to the kept values
         (e.g. ``QSGD(bits=4)``, as SparCML did); its arrays are stored as
         ``"values.<name>"``. TopK is stochastic when this codec is.
+
+    References:
+      Renggli et al., "SparCML: High-Performance Sparse Communication for
+      Machine Learning" (SC19), sections 2.2, 5.1, 6 and 8.3.
     """
 
     fraction: float | None = None
@@ -147,6 +151,7 @@ class TopK(SparseCodec):
 
     @property
     def stochastic(self) -> bool:  # type: ignore[override]
+        """Whether encoding needs a key: when the value codec does."""
         return self.value_codec is not None and bool(self.value_codec.stochastic)
 
     # -- selection ----------------------------------------------------------

@@ -211,7 +211,7 @@ def _hierarchical(codec, flat, slow, fast, key, div=1):
 
 
 def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
-    """The rule behind ``algorithm="auto"``.
+    """The rule behind ``algorithm="auto"`` (one axis).
 
     - Linear codecs (``Rate.LINEAR``, e.g. Identity): ``allreduce``, one
       ``psum`` of the payloads.
@@ -224,6 +224,13 @@ def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
       one compressed tensor where ``allgather`` receives (P-1) of them, with
       two compressions where the ring needs P. This holds for variable-rate
       codecs (ThreeLC) too, whose payloads travel in capacity tiers.
+
+    Args:
+      codec: the codec.
+      n: elements of the tensor.
+      axis_size: devices on the axis.
+    Returns:
+      The algorithm's name.
     """
     if codec.rate is Rate.LINEAR:
         return "allreduce"
@@ -294,23 +301,45 @@ def psum(
 
 
 def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto") -> Reduced:
-    """Compressed mean over ``axis_name``: like :func:`psum`, with the sum
-    divided by the number of devices before its last compression (so the
-    mean costs no extra pass). ``sent`` is, as in :func:`psum`, this device's
-    compressed contribution to the sum."""
+    """Compressed mean of ``x`` over the mesh axis ``axis_name``.
+
+    Like :func:`psum`, with the sum divided by the number of devices before
+    its last compression (so the mean costs no extra pass).
+
+    Args:
+      x: this device's tensor (float32, bfloat16 or float16, any shape).
+      axis_name: the mesh axis, or ``(slow, fast)`` axes (hierarchical).
+      codec: a :mod:`jaxcomp.codecs` codec.
+      key: a PRNG key, required by stochastic codecs (the same on every
+        device).
+      algorithm: as in :func:`psum`.
+    Returns:
+      :class:`Reduced`: ``value`` the mean, ``sent`` (as in :func:`psum`)
+      this device's compressed contribution to the *sum*.
+    """
     return _all_reduce(x, axis_name, codec, key, algorithm, mean=True)
 
 
 def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -> dict[str, int]:
     """Bytes this device hands to each kind of collective, as the compiled
-    HLO shows them (the operands of all-gather / all-to-all /
-    collective-permute / all-reduce), for an input of ``shape`` and
-    ``dtype``; every size comes from the codec's layout
-    (:meth:`~jaxcomp.codecs.Codec.wire_nbytes`).
+    HLO shows them.
 
-    Variable-rate codecs and the split sparse algorithm move their payloads
-    in capacity tiers chosen at run time; for them this is the largest tier
-    (an upper bound; :func:`tier_capacities` lists the tiers)."""
+    Every size comes from the codec's layout
+    (:meth:`~jaxcomp.codecs.Codec.wire_nbytes`). Variable-rate codecs and the
+    split sparse algorithm move their payloads in capacity tiers chosen at
+    run time; for them this is the largest tier (an upper bound;
+    :func:`tier_capacities` lists the tiers).
+
+    Args:
+      codec: the codec.
+      shape: the tensor's shape.
+      dtype: its dtype.
+      axis_size: devices on the axis.
+      algorithm: one of :data:`ALGORITHMS` but "hierarchical".
+    Returns:
+      ``{kind: bytes}`` with kind "all-gather", "all-to-all",
+      "collective-permute" or "all-reduce" (empty for one device).
+    """
     n = int(np.prod(shape, dtype=np.int64))
     if algorithm == "auto":
         algorithm = choose_algorithm(codec, n, axis_size)
@@ -335,13 +364,24 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
 
 
 def send_nbytes(codec: Codec, n: int, dtype, axis_sizes, algorithm: str = "auto") -> float:
-    """Bytes one device sends over the network for a compressed all-reduce of
-    ``n`` values (an upper bound for capacity tiers): ``(P-1)`` times an
-    all-gather operand, ``(P-1)/P`` of an all-to-all operand, every byte of a
-    collective-permute, and ``2 (P-1)/P`` of an all-reduce operand (a ring
-    all-reduce). ``axis_sizes``: the axis size, or ``(slow, fast)`` sizes for
-    the hierarchical algorithm (float32 over the fast axis, compressed over
-    the slow one)."""
+    """Bytes one device sends over the network in a compressed all-reduce.
+
+    ``(P-1)`` times an all-gather operand, ``(P-1)/P`` of an all-to-all
+    operand, every byte of a collective-permute, and ``2 (P-1)/P`` of an
+    all-reduce operand (a ring all-reduce); an upper bound for capacity
+    tiers.
+
+    Args:
+      codec: the codec.
+      n: elements of the tensor.
+      dtype: its dtype.
+      axis_sizes: the axis size, or ``(slow, fast)`` sizes for the
+        hierarchical algorithm (float32 over the fast axis, compressed over
+        the slow one).
+      algorithm: one of :data:`ALGORITHMS` ("auto" by default).
+    Returns:
+      Bytes (a float: the all-to-all share is fractional).
+    """
     sizes = tuple(axis_sizes) if isinstance(axis_sizes, (tuple, list)) else (axis_sizes,)
     if len(sizes) == 2:
         slow, fast = sizes
@@ -362,7 +402,14 @@ def send_nbytes(codec: Codec, n: int, dtype, axis_sizes, algorithm: str = "auto"
 
 
 def uncompressed_send_nbytes(nbytes: int, axis_size: int) -> float:
-    """Bytes one device sends in a ring all-reduce of ``nbytes``
-    (``2 (P-1)/P`` of them), what ``lax.psum`` costs on the network."""
+    """Bytes one device sends in a ring all-reduce, what ``lax.psum`` costs
+    on the network.
+
+    Args:
+      nbytes: bytes of the tensor.
+      axis_size: devices on the axis.
+    Returns:
+      ``2 (P-1)/P * nbytes`` (0 for one device).
+    """
     p = axis_size
     return 2.0 * (p - 1) / p * nbytes if p > 1 else 0.0

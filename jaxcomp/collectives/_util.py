@@ -158,8 +158,14 @@ def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) 
 # Variable-rate payloads: capacity tiers
 # ---------------------------------------------------------------------------
 def tier_capacities(codec: Codec, n: int) -> tuple[int, ...]:
-    """The static buffer capacities a variable-rate payload of ``n`` values
-    may travel in, ascending (the codec's :meth:`capacity_tiers`)."""
+    """The static buffer capacities a variable-rate payload may travel in.
+
+    Args:
+      codec: a variable-rate codec.
+      n: elements of the tensor.
+    Returns:
+      Capacities in bytes, ascending (the codec's ``capacity_tiers``).
+    """
     if codec.rate is not Rate.VARIABLE:
         raise ValueError(f"tier_capacities: {codec!r} is not a variable-rate codec")
     return codec.capacity_tiers(n)
