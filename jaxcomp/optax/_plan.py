@@ -7,6 +7,10 @@ in ``init`` and ``update``. Grouping small tensors into one buffer before a
 collective is Horovod's tensor fusion and PyTorch DDP's gradient buckets;
 leaving the small tensors (biases, norms) uncompressed follows the
 low-precision study (Grubic et al. 2018, section 3) and 3LC (section 4).
+
+The plan is how one step packs the leaves; the optimizer state does not
+depend on it (its residuals are shaped like the parameters, one per leaf), so
+a change of ``fusion_bytes`` or of the policy leaves a checkpoint loadable.
 """
 
 from __future__ import annotations
@@ -29,20 +33,28 @@ class Bucket:
     """A fused buffer of leaves sharing one codec and one dtype.
 
     Attributes:
-      codec: the codec of every leaf in the bucket.
-      dtype: the leaves' dtype (the buffer is encoded in it).
+      codec: the codec of every leaf in the bucket; None for a group of
+        leaves sent uncompressed (see :attr:`Plan.groups`).
+      dtype: the leaves' dtype (the buffer is sent in it).
       leaves: indices (in tree-flatten order) of the leaves, in buffer order.
       sizes: the number of elements of each leaf.
     """
 
-    codec: Codec
+    codec: Codec | None
     dtype: np.dtype
     leaves: tuple[int, ...]
     sizes: tuple[int, ...]
 
     @property
     def size(self) -> int:
+        """The number of elements of the fused buffer."""
         return int(sum(self.sizes))
+
+    @property
+    def carries_residual(self) -> bool:
+        """Whether the leaves have error-feedback residuals (floating-point
+        leaves do; complex ones are always sent exactly and have none)."""
+        return has_residual(self.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,7 @@ class Plan:
       exact: per dtype, the leaves averaged with one uncompressed ``lax.pmean``.
       passthrough: leaves returned as they are (float0 gradients of integer
         parameters carry nothing).
+      paths: every leaf's path, as ``jax.tree_util.keystr`` writes it.
     """
 
     treedef: Any
@@ -64,10 +77,47 @@ class Plan:
     buckets: tuple[Bucket, ...]
     exact: tuple[tuple[np.dtype, tuple[int, ...]], ...]
     passthrough: tuple[int, ...]
+    paths: tuple[str, ...]
 
     @property
     def num_elements(self) -> int:
+        """The number of gradient elements, all leaves together."""
         return int(sum(int(np.prod(s, dtype=np.int64)) for s in self.shapes))
+
+    @property
+    def groups(self) -> tuple[Bucket, ...]:
+        """Every fused buffer of a step: the compressed buckets, then one
+        ``Bucket`` with codec None per dtype of the uncompressed leaves."""
+        exact = tuple(
+            Bucket(None, d, ix, tuple(int(np.prod(self.shapes[i], dtype=np.int64)) for i in ix))
+            for d, ix in self.exact
+        )
+        return self.buckets + exact
+
+    @property
+    def carries_residual(self) -> tuple[bool, ...]:
+        """Per leaf, whether it has an error-feedback residual: every
+        floating-point leaf does, whatever its codec (or none) this step."""
+        return tuple(has_residual(d) for d in self.dtypes)
+
+
+def has_residual(dtype) -> bool:
+    """Whether a gradient of ``dtype`` has an error-feedback residual."""
+    return bool(jnp.issubdtype(dtype, jnp.floating))
+
+
+def gradient_shapes(params):
+    """The gradients' shapes and dtypes for ``params``: integer and boolean
+    parameters have float0 gradients (as ``jax.grad(..., allow_int=True)``
+    gives), the others gradients like themselves."""
+
+    def grad_like(p):
+        dtype = np.dtype(p.dtype)
+        if jnp.issubdtype(dtype, jnp.integer) or dtype == np.dtype(bool):
+            return jax.ShapeDtypeStruct(np.shape(p), jax.dtypes.float0)
+        return p
+
+    return jax.tree.map(grad_like, params)
 
 
 def _is_codec_leaf(x) -> bool:
@@ -109,8 +159,22 @@ def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
 
 
 def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int) -> Plan:
-    """Builds the plan for gradients shaped like ``tree`` (arrays or
-    ShapeDtypeStructs)."""
+    """Builds the plan for gradients shaped like ``tree``.
+
+    Args:
+      policy: a codec for every leaf, a callable ``(path, leaf) -> codec |
+        None``, or a pytree of codecs and None with ``tree``'s structure
+        (None: uncompressed); as ``compress_gradients``' ``codec``.
+      tree: the gradients, or their ``jax.ShapeDtypeStruct``s.
+      min_compress_size: leaves with fewer elements go uncompressed.
+      fusion_bytes: the largest fused bucket, in gradient bytes.
+    Returns:
+      The :class:`Plan`.
+    Raises:
+      ValueError: a policy pytree of another structure.
+      TypeError: a policy returning something other than a codec or None;
+        an integer gradient; a codec for a dtype it cannot carry.
+    """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     codecs = _leaf_codecs(policy, tree)
     shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves_with_path)
@@ -169,4 +233,5 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
         tuple(buckets),
         tuple((d, tuple(ix)) for d, ix in exact.items()),
         tuple(passthrough),
+        tuple(jax.tree_util.keystr(path) for path, _ in leaves_with_path),
     )
