@@ -8,7 +8,8 @@ its state. See docs/training.md.
 
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._state import init, state_specs, telemetry
-from jaxcomp.optax._transform import CompressState, Telemetry, compress_gradients
+from jaxcomp.optax._telemetry import Telemetry
+from jaxcomp.optax._transform import CompressState, compress_gradients
 
 __all__ = [
     "Bucket",

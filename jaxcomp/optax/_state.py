@@ -71,7 +71,7 @@ def state_specs(opt_state, axis_name) -> Any:
     def walk(x):
         if isinstance(x, CompressState):
             rep = jax.tree.map(lambda _: P(), x)
-            return rep._replace(residuals=tuple(spec for _ in x.residuals))
+            return rep._replace(residuals=jax.tree.map(lambda _: spec, x.residuals))
         if isinstance(x, optax.MultiStepsState):
             inner = jax.tree.map(walk, x.inner_opt_state, is_leaf=is_node)
             rest = jax.tree.map(lambda _: P(), x._replace(inner_opt_state=None))

@@ -12,41 +12,14 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.collectives import choose_algorithm, operand_nbytes, pmean
-from jaxcomp.collectives._core import ALGORITHMS
-from jaxcomp.optax._plan import Plan, Policy, make_plan
+from jaxcomp.collectives import ALGORITHMS
+from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan
+from jaxcomp.optax._step import all_finite, pack, reduce, unpack
+from jaxcomp.optax._telemetry import Telemetry, global_norm, step_telemetry
 
 _WHO = "jc.optax.compress_gradients"
 DEFAULT_FUSION_BYTES = 64 << 20
 DEFAULT_MIN_COMPRESS_SIZE = 1024
-
-
-class Telemetry(NamedTuple):
-    """What the last step communicated (identical on every device).
-
-    Attributes:
-      bits_per_element: float32[]: payload bits per gradient element: the
-        codecs' wire bits for the fused bucket sizes, plus the uncompressed
-        leaves at their own width (8 x itemsize); during warm-up, every leaf
-        at its own width.
-      wire_bytes: float32[]: bytes this device sent in the step's
-        collectives (the algorithms' per-device send volume: (P-1) x C(n) for
-        an allgather, 2 (P-1)/P x C(n) for two-phase and ring, and
-        2 (P-1)/P x n x itemsize for an uncompressed all-reduce; for
-        variable-rate codecs and the sparse algorithm, the largest capacity
-        tier, an upper bound).
-      compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of all
-        the gradients sends per device (ring all-reduce, 2 (P-1)/P x 4 N)
-        over ``wire_bytes``; with one device, 32 / ``bits_per_element``.
-      residual_norm: float32[]: the L2 norm of the error-feedback residuals
-        of all devices together after the step (0 without error feedback).
-    """
-
-    bits_per_element: jax.Array
-    wire_bytes: jax.Array
-    compression_ratio: jax.Array
-    residual_norm: jax.Array
 
 
 class CompressState(NamedTuple):
@@ -57,17 +30,19 @@ class CompressState(NamedTuple):
       key: uint32[2]: the raw PRNG key of the next step, split every step
         (replicated; each device's draws differ because ``jc.pmean`` folds
         in the device index).
-      residuals: tuple, one per fused compressed bucket, of
-        residual_dtype[1, bucket elements]: this device's error-feedback
-        residual (per device: the leading axis of size 1 is the device's row
-        of a [devices, bucket elements] array, see ``state_specs``). Empty
-        without error feedback.
+      residuals: this device's error-feedback residuals, a pytree with the
+        parameters' structure: residual_dtype[1, *leaf.shape] for every
+        floating-point leaf (the leading axis of size 1 is the device's row
+        of a [devices, *leaf.shape] array, see ``state_specs``), and
+        ``optax.MaskedNode()`` for the others (integer parameters, whose
+        gradients are float0, and complex ones). ``()`` without error
+        feedback.
       telemetry: :class:`Telemetry` of the last step (replicated).
     """
 
     step: jax.Array
     key: jax.Array
-    residuals: tuple
+    residuals: Any
     telemetry: Telemetry
 
 
@@ -101,113 +76,8 @@ def _check_static_int(name: str, value, lo: int) -> int:
     return int(value)
 
 
-# ---------------------------------------------------------------------------
-# Bytes on the wire (static)
-# ---------------------------------------------------------------------------
-def _allreduce_bytes(nbytes: int, p: int) -> float:
-    """Per-device send volume of an uncompressed ring all-reduce."""
-    return 2.0 * (p - 1) / p * nbytes if p > 1 else 0.0
-
-
-def _sent_bytes(codec: Codec, n: int, dtype, sizes: tuple[int, ...], algorithm: str) -> float:
-    """Per-device send volume of ``jc.pmean`` of ``n`` values."""
-    if len(sizes) == 2:  # hierarchical: float32 over the fast axis, compressed over the slow one
-        slow, fast = sizes
-        chunk = -(-n // fast)
-        return 2.0 * (fast - 1) / fast * 4 * n + _sent_bytes(codec, chunk, dtype, (slow,), "auto")
-    (p,) = sizes
-    if p == 1:
-        return 0.0
-    alg = choose_algorithm(codec, n, p) if algorithm == "auto" else algorithm
-    total = 0.0
-    for kind, op in operand_nbytes(codec, (n,), dtype, p, alg).items():
-        if kind == "all-gather":
-            total += (p - 1) * op
-        elif kind == "all-to-all":
-            total += (p - 1) / p * op
-        else:  # collective-permute: every operand byte is sent
-            total += op
-    return total
-
-
-def _telemetry_constants(plan: Plan, sizes, algorithm) -> tuple[tuple[float, float], ...]:
-    """(bits_per_element, wire_bytes) for a compressed step and a warm-up step."""
-    p = int(np.prod(sizes))
-    n_all = max(plan.num_elements, 1)
-    exact_payload = sum(
-        len(ix) and sum(int(np.prod(plan.shapes[i], dtype=np.int64)) for i in ix) * d.itemsize
-        for d, ix in plan.exact
-    )
-    exact_wire = _allreduce_bytes(exact_payload, p)
-    comp_payload = sum(b.codec.wire_nbytes((b.size,), b.dtype) for b in plan.buckets)
-    comp_wire = sum(_sent_bytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets)
-    raw_payload = sum(b.size * b.dtype.itemsize for b in plan.buckets)
-    return (
-        (8.0 * (comp_payload + exact_payload) / n_all, comp_wire + exact_wire),
-        (
-            8.0 * (raw_payload + exact_payload) / n_all,
-            exact_wire + _allreduce_bytes(raw_payload, p),
-        ),
-    )
-
-
-def _ratio(bits: float, wire: float, plan: Plan, p: int) -> float:
-    if p > 1:
-        base = _allreduce_bytes(4 * plan.num_elements, p)
-        return base / wire if wire else 1.0
-    return 32.0 / bits if bits else 1.0
-
-
-# ---------------------------------------------------------------------------
-# The transformation
-# ---------------------------------------------------------------------------
-def compress_gradients(
-    codec: Policy,
-    axis_name: str | tuple[str, str],
-    *,
-    error_feedback: bool = True,
-    algorithm: str = "auto",
-    fusion_bytes: int | None = None,
-    min_compress_size: int | None = None,
-    warmup_steps: int | jax.Array = 0,
-    residual_dtype: Any = "float32",
-    seed: int = 0,
-) -> optax.GradientTransformation:
-    """Compressed mean of the gradients over ``axis_name``, with error feedback.
-
-    The first element of an ``optax.chain`` inside a ``jax.shard_map``'d (or
-    ``jax.pmap``'d) train step, in place of ``lax.pmean(grads, axis_name)``.
-    Each step, on every device: the leaves are packed into fused buckets
-    (per codec and dtype, up to ``fusion_bytes``); for each bucket,
-    ``acc = grad + residual``, ``jc.pmean(acc)`` gives the compressed mean
-    and what this device sent, and ``residual = acc - sent`` is carried to
-    the next step. This is the error feedback of 1-bit SGD (Seide et al.
-    2014, section 3; the low-precision study, Grubic et al. 2018, section
-    2.2), 3LC's error accumulation buffers (section 3.1) and SparCML's
-    Algorithm 1: over any number of steps, what was applied (times the number
-    of devices) plus the residuals equals the sum of the gradients.
-
-    Args:
-      codec: a :mod:`jaxcomp.codecs` codec for every leaf; or a callable
-        ``(path, leaf) -> codec | None``; or a pytree of codecs and ``None``
-        with the gradients' structure (``None``: uncompressed).
-      axis_name: the data-parallel mesh / pmap axis; a pair
-        ``(slow, fast)`` selects the hierarchical algorithm.
-      error_feedback: carry what compression dropped to the next step.
-      algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
-      fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
-        larger than this is a bucket of its own); None: 64 MiB.
-      min_compress_size: leaves with fewer elements are averaged
-        uncompressed, all in one fused ``lax.pmean``; None: 1024.
-      warmup_steps: the first steps use the exact (uncompressed) mean, as in
-        PowerSGD's ``start_powerSGD_iter`` and 1-bit Adam's warm-up. May be
-        a traced int (``optax.inject_hyperparams``).
-      residual_dtype: dtype of the residuals (float32 by default).
-      seed: seeds the PRNG key of stochastic codecs.
-    Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`CompressState`.
-    """
+def _check_options(algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype):
+    """Validates the options; returns (fusion_bytes, min_compress_size, residual_dtype)."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{_WHO}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     # None defaults keep these out of optax.inject_hyperparams' numeric
@@ -228,7 +98,167 @@ def compress_gradients(
         raise ValueError(
             f"{_WHO}: residual_dtype must be a floating dtype, got {residual_dtype.name}"
         )
-    error_feedback = bool(error_feedback)
+    return fusion_bytes, min_compress_size, residual_dtype
+
+
+# ---------------------------------------------------------------------------
+# The residuals in the state: one per leaf, [1, *leaf.shape] per device
+# ---------------------------------------------------------------------------
+def _is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def _zero_residuals(plan: Plan, dtype) -> Any:
+    leaves = [
+        jnp.zeros((1, *shape), dtype) if carries else optax.MaskedNode()
+        for shape, carries in zip(plan.shapes, plan.carries_residual, strict=True)
+    ]
+    return plan.treedef.unflatten(leaves)
+
+
+def _replicated_error(path: str, rows: int) -> ValueError:
+    return ValueError(
+        f"{_WHO}: inside the mapped step each device must see its own residual "
+        f"(leading axis 1), but for {path} it sees {rows} rows: the per-device "
+        "state was passed as replicated. Under jax.shard_map give the optimizer "
+        "state in_specs/out_specs=jc.optax.state_specs(opt_state, axis_name) "
+        "(and create it with jc.optax.init); under jax.pmap, create it with "
+        "jax.pmap(tx.init)."
+    )
+
+
+def _read_residuals(plan: Plan, residuals, dtype) -> list:
+    """This device's residual of every leaf, shaped like the leaf (None for
+    a leaf without one), after checking the state against the gradients."""
+    found = jax.tree.structure(residuals, is_leaf=_is_masked)
+    if found != plan.treedef:
+        raise ValueError(
+            f"{_WHO}: the state's residuals do not have the gradients' structure (one "
+            "residual per gradient leaf, shaped like the parameters; a state whose residuals "
+            "are one array per fused bucket predates that layout): was the state initialized "
+            f"with parameters of another structure?\n  residuals: {found}\n  gradients: "
+            f"{plan.treedef}"
+        )
+    out = []
+    for r, path, shape, dt, carries in zip(
+        plan.treedef.flatten_up_to(residuals),
+        plan.paths,
+        plan.shapes,
+        plan.dtypes,
+        plan.carries_residual,
+        strict=True,
+    ):
+        if not carries:
+            if not _is_masked(r):
+                raise ValueError(
+                    f"{_WHO}: gradient {path} of dtype {dt.name} has no residual, but the "
+                    f"state holds a {type(r).__name__} for it (expected optax.MaskedNode()): "
+                    "was the state initialized with parameters of other dtypes?"
+                )
+            out.append(None)
+            continue
+        if _is_masked(r) or tuple(r.shape[1:]) != shape:
+            got = "optax.MaskedNode()" if _is_masked(r) else f"shape {tuple(r.shape)}"
+            raise ValueError(
+                f"{_WHO}: the state's residual for {path} has {got}, but the gradient has "
+                f"shape {shape} (expected (1, *shape) inside the mapped step): was the state "
+                "initialized with other parameters?"
+            )
+        if r.shape[0] != 1:
+            raise _replicated_error(path, r.shape[0])
+        if r.dtype != dtype:
+            raise ValueError(
+                f"{_WHO}: the state's residual for {path} has dtype {r.dtype.name}, but "
+                f"residual_dtype is {dtype.name}: build the transformation with the "
+                "residual_dtype the state was created with"
+            )
+        out.append(r[0])
+    return out
+
+
+def _write_residuals(plan: Plan, old: list, new: list, keep) -> Any:
+    """The state's residuals after a step: the new ones where ``keep``,
+    else the old ones (a step that made one non-finite changes nothing)."""
+    leaves = [
+        optax.MaskedNode() if n is None else jnp.where(keep, n, o)[None]
+        for o, n in zip(old, new, strict=True)
+    ]
+    return plan.treedef.unflatten(leaves)
+
+
+# ---------------------------------------------------------------------------
+# The transformation
+# ---------------------------------------------------------------------------
+def compress_gradients(
+    codec: Policy,
+    axis_name: str | tuple[str, str],
+    *,
+    error_feedback: bool = True,
+    algorithm: str = "auto",
+    fusion_bytes: int | None = None,
+    min_compress_size: int | None = None,
+    warmup_steps: int | jax.Array = 0,
+    residual_dtype: Any = "float32",
+    residual_norm: bool = False,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """Compressed mean of the gradients over ``axis_name``, with error feedback.
+
+    The first element of an ``optax.chain`` inside a ``jax.shard_map``'d (or
+    ``jax.pmap``'d) train step, in place of ``lax.pmean(grads, axis_name)``.
+    Each step, on every device: the leaves and their residuals are packed
+    into fused buffers (per codec and dtype, up to ``fusion_bytes``) as
+    ``acc = grad + residual``; ``jc.pmean(acc)`` gives the compressed mean
+    and what this device sent; ``residual = acc - sent`` is unpacked into
+    one residual per leaf and carried to the next step. This is the error
+    feedback of 1-bit SGD (Seide et al. 2014, section 3), 3LC's error
+    accumulation buffers (Lim et al. 2019, section 3.1) and SparCML's
+    Algorithm 1 (Renggli et al. 2019); Karimireddy et al. 2019 ("Error
+    Feedback Fixes SignSGD") show why it restores the convergence of the
+    uncompressed method. Over any number of steps, what was applied (times
+    the number of devices) plus the residuals equals the sum of the
+    gradients.
+
+    The residuals are shaped like the parameters, one per floating-point
+    leaf whatever its codec: a leaf sent uncompressed this step sends
+    ``grad + residual`` exactly and keeps what its dtype's rounding left (0
+    in float32). So a state saved under one ``fusion_bytes``, policy or
+    ``min_compress_size`` restores under another. They cost
+    ``residual_dtype``'s size (4 bytes in float32) per floating-point
+    parameter per device. A step whose mean gradient is not finite returns
+    it (the chain sees it) but leaves the residuals, ``step`` and ``key`` as
+    they were; so does, on its own device, a step that would make a residual
+    non-finite.
+
+    Args:
+      codec: a :mod:`jaxcomp.codecs` codec for every leaf; or a callable
+        ``(path, leaf) -> codec | None``; or a pytree of codecs and ``None``
+        with the gradients' structure (``None``: uncompressed).
+      axis_name: the data-parallel mesh / pmap axis; a pair
+        ``(slow, fast)`` selects the hierarchical algorithm.
+      error_feedback: carry what compression dropped to the next step.
+      algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
+      fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
+        larger than this is a bucket of its own); None: 64 MiB.
+      min_compress_size: leaves with fewer elements are averaged
+        uncompressed, all in one fused ``lax.pmean``; None: 1024.
+      warmup_steps: the first steps use the exact (uncompressed) mean, as in
+        PowerSGD's ``start_powerSGD_iter`` and 1-bit Adam's warm-up. May be
+        a traced int (``optax.inject_hyperparams``).
+      residual_dtype: dtype of the residuals (float32 by default).
+      residual_norm: also report the residuals' global L2 norm in the
+        telemetry, at the cost of one scalar all-reduce per step; if False,
+        ``Telemetry.residual_norm`` is 0.
+      seed: seeds the PRNG key of stochastic codecs.
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`CompressState`.
+    """
+    fusion_bytes, min_compress_size, residual_dtype = _check_options(
+        algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype
+    )
+    error_feedback, residual_norm = bool(error_feedback), bool(residual_norm)
+    no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
 
     def plan_for(tree) -> Plan:
         return make_plan(
@@ -236,17 +266,12 @@ def compress_gradients(
         )
 
     def init_fn(params) -> CompressState:
-        plan = plan_for(params)
-        residuals = (
-            tuple(jnp.zeros((1, b.size), residual_dtype) for b in plan.buckets)
-            if error_feedback
-            else ()
-        )
+        plan = plan_for(gradient_shapes(params))
         zero = jnp.zeros((), jnp.float32)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
-            residuals=residuals,
+            residuals=_zero_residuals(plan, residual_dtype) if error_feedback else (),
             telemetry=Telemetry(zero, zero, zero, zero),
         )
 
@@ -254,119 +279,29 @@ def compress_gradients(
         del params
         if not isinstance(state, CompressState):
             raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a CompressState")
-        sizes = _bound_axis_sizes(axis_name)
-        p = int(np.prod(sizes))
-        axes = axis_name if len(sizes) == 1 else tuple(axis_name)
         plan = plan_for(grads)
+        sizes = _bound_axis_sizes(axis_name)
+        axes = axis_name if len(sizes) == 1 else tuple(axis_name)
         leaves = plan.treedef.flatten_up_to(grads)
-        nb = len(plan.buckets)
+        old = [None] * len(leaves)
         if error_feedback:
-            if len(state.residuals) != nb or any(
-                tuple(r.shape[1:]) != (b.size,)
-                for r, b in zip(state.residuals, plan.buckets, strict=True)
-            ):
-                raise ValueError(
-                    f"{_WHO}: the state's residuals "
-                    f"{[tuple(r.shape) for r in state.residuals]} do not fit the gradients' "
-                    f"buckets {[(1, b.size) for b in plan.buckets]}: was the state initialized "
-                    "with parameters of another structure?"
-                )
-            for r in state.residuals:
-                if r.shape[0] != 1:
-                    raise ValueError(
-                        f"{_WHO}: inside the mapped step each device must see its own residual "
-                        f"row (leading axis 1), but it sees {r.shape[0]} rows: the per-device "
-                        "state was passed as replicated. Under jax.shard_map give the optimizer "
-                        "state in_specs/out_specs=jc.optax.state_specs(opt_state, axis_name) "
-                        "(and create it with jc.optax.init); under jax.pmap, create it with "
-                        "jax.pmap(tx.init)."
-                    )
-
-        key = jax.random.wrap_key_data(state.key)
-        next_key, step_key = jax.random.split(key)
-
-        # The buckets' flat buffers, with the residuals added (float32 sums).
-        flats = []
-        for b in plan.buckets:
-            parts = [leaves[i].reshape(-1) for i in b.leaves]
-            flat = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            flats.append(flat)
-        accs = []
-        for j, flat in enumerate(flats):
-            if error_feedback:
-                accs.append(flat.astype(jnp.float32) + state.residuals[j][0].astype(jnp.float32))
-            else:
-                accs.append(flat.astype(jnp.float32))
-
-        def compressed(accs):
-            values, residuals = [], []
-            for j, (b, acc) in enumerate(zip(plan.buckets, accs, strict=True)):
-                r = pmean(
-                    acc.astype(b.dtype),
-                    axes,
-                    b.codec,
-                    key=jax.random.fold_in(step_key, j),
-                    algorithm=algorithm,
-                )
-                values.append(r.value)
-                residuals.append(acc - r.sent)
-            return tuple(values), tuple(residuals)
-
-        def exact(accs):
-            sent = [acc.astype(b.dtype) for b, acc in zip(plan.buckets, accs, strict=True)]
-            values = lax.pmean(tuple(sent), axes)
-            return tuple(values), tuple(
-                a - s.astype(jnp.float32) for a, s in zip(accs, sent, strict=True)
-            )
-
+            old = _read_residuals(plan, state.residuals, residual_dtype)
+        next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         in_warmup = state.step < warmup_steps
-        if isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0:
-            values, residuals = compressed(accs)
-        elif nb:
-            values, residuals = lax.cond(in_warmup, exact, compressed, tuple(accs))
-        else:
-            values, residuals = (), ()
 
-        out: list[Any] = list(leaves)
-        for b, v in zip(plan.buckets, values, strict=True):
-            off = 0
-            for i, n in zip(b.leaves, b.sizes, strict=True):
-                out[i] = v[off : off + n].reshape(plan.shapes[i]).astype(plan.dtypes[i])
-                off += n
-        if plan.exact:
-            bufs = {}
-            for d, ix in plan.exact:
-                parts = [leaves[i].reshape(-1) for i in ix]
-                bufs[d.name] = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-            means = lax.pmean(bufs, axes)
-            for d, ix in plan.exact:
-                off = 0
-                for i in ix:
-                    n = int(np.prod(plan.shapes[i], dtype=np.int64))
-                    out[i] = means[d.name][off : off + n].reshape(plan.shapes[i])
-                    off += n
+        accs = pack(plan, leaves, old)
+        warmup = None if no_warmup else in_warmup
+        means, sent = reduce(plan, accs, axes, key=step_key, algorithm=algorithm, warmup=warmup)
+        out = unpack(plan, leaves, accs, means, sent, residual_dtype if error_feedback else None)
 
-        if error_feedback:
-            sq = sum((jnp.sum(jnp.square(r)) for r in residuals), jnp.zeros((), jnp.float32))
-            norm = jnp.sqrt(lax.psum(sq, axes)) if nb else jnp.zeros((), jnp.float32)
-            new_residuals = tuple(r.astype(residual_dtype)[None] for r in residuals)
-        else:
-            norm = jnp.zeros((), jnp.float32)
-            new_residuals = ()
-
-        (bits_c, wire_c), (bits_w, wire_w) = _telemetry_constants(plan, sizes, algorithm)
-        stats_c = (bits_c, wire_c, _ratio(bits_c, wire_c, plan, p))
-        stats_w = (bits_w, wire_w, _ratio(bits_w, wire_w, plan, p))
-        bits, wire, ratio = (
-            jnp.where(in_warmup, jnp.float32(w), jnp.float32(c))
-            for c, w in zip(stats_c, stats_w, strict=True)
+        ok = all_finite(means)  # identical on every device, as the means are
+        residuals = _write_residuals(plan, old, out.residuals, ok & out.residuals_finite)
+        norm = global_norm(residuals, axes) if residual_norm else jnp.zeros((), jnp.float32)
+        return plan.treedef.unflatten(out.updates), CompressState(
+            step=jnp.where(ok, state.step + 1, state.step),
+            key=jnp.where(ok, jax.random.key_data(next_key), state.key),
+            residuals=residuals if error_feedback else (),
+            telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm),
         )
-        new_state = CompressState(
-            step=state.step + 1,
-            key=jax.random.key_data(next_key),
-            residuals=new_residuals,
-            telemetry=Telemetry(bits, wire, ratio, norm),
-        )
-        return jax.tree.unflatten(plan.treedef, out), new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

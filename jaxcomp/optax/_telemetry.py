@@ -1,0 +1,141 @@
+"""What a step of ``compress_gradients`` communicated: bits per element,
+bytes on the wire and the compression ratio are static accounting (from the
+plan and the algorithms' send volumes); the residual norm is the only value
+that needs a collective, and is computed only when asked for."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxcomp.codecs.base import Codec
+from jaxcomp.collectives import choose_algorithm, operand_nbytes
+from jaxcomp.optax._plan import Plan
+
+
+class Telemetry(NamedTuple):
+    """What the last step communicated (identical on every device).
+
+    Attributes:
+      bits_per_element: float32[]: payload bits per gradient element: the
+        codecs' wire bits for the fused bucket sizes, plus the uncompressed
+        leaves at their own width (8 x itemsize); during warm-up, every leaf
+        at its own width.
+      wire_bytes: float32[]: bytes this device sent in the step's
+        collectives (the algorithms' per-device send volume: (P-1) x C(n) for
+        an allgather, 2 (P-1)/P x C(n) for two-phase and ring, and
+        2 (P-1)/P x n x itemsize for an uncompressed all-reduce; for
+        variable-rate codecs and the sparse algorithm, the largest capacity
+        tier, an upper bound).
+      compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of all
+        the gradients sends per device (ring all-reduce, 2 (P-1)/P x 4 N)
+        over ``wire_bytes``; with one device, 32 / ``bits_per_element``.
+      residual_norm: float32[]: the L2 norm of the error-feedback residuals
+        of all devices together after the step, when ``compress_gradients``
+        was built with ``residual_norm=True`` (it costs one scalar all-reduce
+        per step); otherwise, and without error feedback, 0.
+
+    The first three are constants of the plan, chosen by the warm-up flag:
+    reading them costs no communication.
+    """
+
+    bits_per_element: jax.Array
+    wire_bytes: jax.Array
+    compression_ratio: jax.Array
+    residual_norm: jax.Array
+
+
+def _allreduce_bytes(nbytes: int, p: int) -> float:
+    """Per-device send volume of an uncompressed ring all-reduce."""
+    return 2.0 * (p - 1) / p * nbytes if p > 1 else 0.0
+
+
+def _sent_bytes(codec: Codec, n: int, dtype, sizes: tuple[int, ...], algorithm: str) -> float:
+    """Per-device send volume of ``jc.pmean`` of ``n`` values."""
+    if len(sizes) == 2:  # hierarchical: float32 over the fast axis, compressed over the slow one
+        slow, fast = sizes
+        chunk = -(-n // fast)
+        return 2.0 * (fast - 1) / fast * 4 * n + _sent_bytes(codec, chunk, dtype, (slow,), "auto")
+    (p,) = sizes
+    if p == 1:
+        return 0.0
+    alg = choose_algorithm(codec, n, p) if algorithm == "auto" else algorithm
+    total = 0.0
+    for kind, op in operand_nbytes(codec, (n,), dtype, p, alg).items():
+        if kind == "all-gather":
+            total += (p - 1) * op
+        elif kind == "all-to-all":
+            total += (p - 1) / p * op
+        else:  # collective-permute: every operand byte is sent
+            total += op
+    return total
+
+
+def _stats(payload: float, wire: float, plan: Plan, p: int) -> tuple[float, float, float]:
+    """(bits_per_element, wire_bytes, compression_ratio) of a step."""
+    bits = 8.0 * payload / max(plan.num_elements, 1)
+    if p > 1:
+        ratio = _allreduce_bytes(4 * plan.num_elements, p) / wire if wire else 1.0
+    else:
+        ratio = 32.0 / bits if bits else 1.0
+    return bits, wire, ratio
+
+
+def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
+    """The static telemetry of a compressed step and of a warm-up step.
+
+    Args:
+      plan: the step's :class:`Plan`.
+      sizes: the sizes of the reduced mesh axes (two for hierarchical).
+      algorithm: ``compress_gradients``' algorithm.
+    Returns:
+      ``((bits, wire, ratio) compressed, (bits, wire, ratio) warm-up)``,
+      Python floats.
+    """
+    p = int(np.prod(sizes))
+    exact_payload = sum(g.size * g.dtype.itemsize for g in plan.groups if g.codec is None)
+    exact_wire = _allreduce_bytes(exact_payload, p)
+    comp_payload = sum(b.codec.wire_nbytes((b.size,), b.dtype) for b in plan.buckets)
+    comp_wire = sum(_sent_bytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets)
+    raw_payload = sum(b.size * b.dtype.itemsize for b in plan.buckets)
+    return (
+        _stats(comp_payload + exact_payload, comp_wire + exact_wire, plan, p),
+        _stats(raw_payload + exact_payload, exact_wire + _allreduce_bytes(raw_payload, p), plan, p),
+    )
+
+
+def step_telemetry(plan: Plan, sizes, algorithm: str, in_warmup, residual_norm) -> Telemetry:
+    """The telemetry of one step: the plan's constants, chosen by ``in_warmup``.
+
+    Args:
+      plan, sizes, algorithm: as for :func:`accounting`.
+      in_warmup: bool[]: whether this step sent the exact mean.
+      residual_norm: float32[]: the value to report (0 when not computed).
+    Returns:
+      The :class:`Telemetry`.
+    """
+    compressed, warmup = accounting(plan, sizes, algorithm)
+    stats = (
+        jnp.where(in_warmup, jnp.float32(w), jnp.float32(c))
+        for c, w in zip(compressed, warmup, strict=True)
+    )
+    return Telemetry(*stats, residual_norm)
+
+
+def global_norm(residuals, axes) -> jax.Array:
+    """The L2 norm of every device's residuals together: one scalar ``psum``.
+
+    Args:
+      residuals: this device's residual arrays (any pytree).
+      axes: the mesh axes the devices span.
+    Returns:
+      float32[], identical on every device.
+    """
+    squares = [jnp.sum(jnp.square(r.astype(jnp.float32))) for r in jax.tree.leaves(residuals)]
+    if not squares:  # no residuals (no error feedback): no collective either
+        return jnp.zeros((), jnp.float32)
+    return jnp.sqrt(lax.psum(sum(squares), axes))
