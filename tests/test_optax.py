@@ -203,6 +203,154 @@ def test_bfloat16_gradients_and_residuals(mesh):
 
 
 # ---------------------------------------------------------------------------
+# The state: residuals shaped like the parameters
+# ---------------------------------------------------------------------------
+def _is_masked(x):
+    return isinstance(x, optax.MaskedNode)
+
+
+def test_residuals_are_shaped_like_the_parameters(mesh):
+    params = {
+        "layer": {"w": jnp.zeros((40, 50)), "b": jnp.zeros(300)},
+        "emb": jnp.zeros((64, 16), jnp.bfloat16),
+        "scale": jnp.zeros(()),
+        "count": jnp.zeros(3, jnp.int32),  # float0 gradient
+        "z": jnp.zeros(4, jnp.complex64),  # always sent exactly
+    }
+
+    def layout(tree):
+        return jax.tree.map(lambda r: (r.shape, r.dtype.name), tree)
+
+    tx = jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), AXIS, min_compress_size=512)
+    res = jax.eval_shape(tx.init, params).residuals
+    assert jax.tree.structure(res, is_leaf=_is_masked) == jax.tree.structure(params)
+    # Every floating-point leaf: residual_dtype[1, *shape] (this device's
+    # row), compressed or not; the others a placeholder.
+    assert layout(res) == {
+        "layer": {"w": ((1, 40, 50), "float32"), "b": ((1, 300), "float32")},
+        "emb": ((1, 64, 16), "float32"),
+        "scale": ((1,), "float32"),
+        "count": optax.MaskedNode(),
+        "z": optax.MaskedNode(),
+    }
+    # Neither fusion nor the policy changes the state.
+    policy = {
+        "layer": {"w": jc.codecs.Int8(), "b": None},
+        "emb": jc.codecs.QSGD(bits=2),
+        "scale": None,
+        "count": None,
+        "z": None,
+    }
+    other = jc.optax.compress_gradients(policy, AXIS, fusion_bytes=1, min_compress_size=0)
+    assert layout(jax.eval_shape(other.init, params).residuals) == layout(res)
+
+    # On the mesh: [devices, *shape], sharded over the data axis; a step
+    # keeps the layout and passes the float0 gradient through.
+    state = jc.optax.init(tx, params, mesh, AXIS)
+    specs = jc.optax.state_specs(state, AXIS)
+    assert jax.tree.map(lambda r: (r.shape, r.sharding.spec), state.residuals) == {
+        "layer": {"w": ((N_DEV, 40, 50), P(AXIS)), "b": ((N_DEV, 300), P(AXIS))},
+        "emb": ((N_DEV, 64, 16), P(AXIS)),
+        "scale": ((N_DEV,), P(AXIS)),
+        "count": optax.MaskedNode(),
+        "z": optax.MaskedNode(),
+    }
+
+    def step(params, state):
+        loss = lambda p: sum(  # noqa: E731
+            jnp.sum(jnp.abs(x.astype(jnp.complex64)) ** 2 * (1 + lax.axis_index(AXIS)))
+            for x in jax.tree.leaves(p)
+        )
+        updates, state = tx.update(jax.grad(loss, allow_int=True)(params), state)
+        assert updates["count"].dtype == jax.dtypes.float0
+        return state
+
+    f = jax.shard_map(step, mesh=mesh, in_specs=(P(), specs), out_specs=specs, check_vma=False)
+    after = jax.jit(f)(jax.tree.map(lambda p: p + 1, params), state)
+    assert layout(after.residuals) == layout(state.residuals)
+    assert int(after.step) == 1
+
+
+def device_update(mesh, tx, state):
+    """A jitted ``(grads [devices, ...], state) -> (updates, state)`` for
+    states laid out like ``state``."""
+    specs = jc.optax.state_specs(state, AXIS)
+    f = jax.shard_map(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
+    return jax.jit(f)
+
+
+def test_a_non_finite_step_leaves_the_state_as_it_was(mesh):
+    tx = make_tx(jc.codecs.QSGD(bits=4), residual_dtype="float16")
+    state0 = jc.optax.init(tx, params0(), mesh, AXIS)
+    step = device_update(mesh, tx, state0)
+    _, state1 = step(device_grads(0), state0)
+    kept = state1._replace(telemetry=None)
+
+    # A NaN on one device: the mean shows it, and no device's state moves.
+    g = device_grads(1)
+    nan = g | {"a": g["a"].at[3, 0, 0].set(jnp.nan)}
+    updates, state2 = step(nan, state1)
+    assert np.isnan(np.asarray(updates["a"])).any()
+    assert_trees_equal(state2._replace(telemetry=None), kept)
+    # ... so the next step is the one that would have come.
+    _, after = step(g, state2)
+    assert_trees_equal(after, step(g, state1)[1])
+
+    # A residual past float16's range on device 0 only: the mean is finite,
+    # the step counts, and device 0 keeps its residuals as they were.
+    big = g | {"c": g["c"].at[0].multiply(1e6)}
+    updates, state3 = step(big, state1)
+    assert all(np.isfinite(np.asarray(u)).all() for u in updates.values())
+    assert int(state3.step) == 2
+    for k in SHAPES:
+        new, old = np.asarray(state3.residuals[k]), np.asarray(state1.residuals[k])
+        assert np.isfinite(new).all()
+        np.testing.assert_array_equal(new[0], old[0])
+        assert k == "b" or not np.array_equal(new[1:], old[1:])  # 'b' is sent exactly
+
+
+@pytest.mark.parametrize("case", ["structure", "buckets", "shapes", "dtype", "replicated"])
+def test_a_state_that_does_not_fit_is_rejected(mesh, case):
+    tx = make_tx(jc.codecs.QSGD(bits=4))
+    params = params0()
+    init_tx, init_params, specs = tx, params, None
+    if case == "structure":
+        init_params = {k: params[k] for k in ("a", "c")}
+        match = "do not have the gradients' structure"
+    elif case == "shapes":
+        init_params = params | {"a": jnp.zeros((20, 100))}
+        match = (
+            r"residual for \['a'\] has shape \(1, 20, 100\), but the gradient has shape \(40, 50\)"
+        )
+    elif case == "dtype":
+        init_tx = make_tx(jc.codecs.QSGD(bits=4), residual_dtype="bfloat16")
+        match = "has dtype bfloat16, but residual_dtype is float32"
+    state = jc.optax.init(init_tx, init_params, mesh, AXIS)
+    if case == "buckets":  # one residual per fused bucket, as states once were
+        state = state._replace(residuals=(jnp.zeros((N_DEV, 2000)), jnp.zeros((N_DEV, 1500))))
+        match = "one array per fused bucket"
+    if case == "replicated":
+        specs = jax.tree.map(lambda _: P(), state)
+        match = r"the per-device state was passed as replicated.*jc\.optax\.state_specs"
+    specs = specs or jc.optax.state_specs(state, AXIS)
+    f = jax.shard_map(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(f, device_grads(), state)
+
+
+# ---------------------------------------------------------------------------
 # The fusion plan
 # ---------------------------------------------------------------------------
 def test_plan_buckets_by_codec_dtype_and_size():
@@ -525,6 +673,36 @@ def test_orbax_checkpoint_restores_bit_identically(mesh, tmp_path):
     assert_trees_equal(s_a, s_b)
 
 
+def test_checkpoint_restores_across_fusion_and_policy(mesh, tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    codec = jc.codecs.QSGD(bits=4)
+    state, first = scan_updates(mesh, make_tx(codec, fusion_bytes=1 << 20), 20)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", state)
+    ckpt.wait_until_finished()
+    saved = residual_leaves(state)
+    assert not saved["b"].any() and saved["a"].any() and saved["c"].any()  # 'b' was sent exactly
+
+    others = {
+        "fusion": make_tx(codec, fusion_bytes=64 << 20),
+        "policy": jc.optax.compress_gradients(
+            {"a": jc.codecs.Int8(), "b": codec, "c": None}, AXIS, min_compress_size=100
+        ),
+    }
+    for name, tx in others.items():
+        target = jc.optax.init(tx, params0(), mesh, AXIS)
+        target = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+        restored = ckpt.restore(tmp_path / "ckpt", target)
+        for k, r in residual_leaves(restored).items():
+            np.testing.assert_array_equal(r, saved[k], err_msg=f"{name}: {k}")
+        state, second = scan_updates(mesh, tx, 20, state=restored, t0=20)
+        assert int(state.step) == 40
+        assert all(np.isfinite(np.asarray(u)).all() for u in second.values())
+        assert conservation_gap([first, second], state, 40) < 1e-5, name
+        if name == "policy":  # sent exactly now: its residual went out with it
+            assert not residual_leaves(state)["c"].any()
+
+
 def test_inject_hyperparams_around_the_chain(mesh):
     def make(learning_rate):
         return optax.chain(make_tx(jc.codecs.Int8()), optax.sgd(learning_rate))
@@ -625,20 +803,6 @@ def test_update_with_an_unbound_axis_name(mesh):
         check_vma=False,
     )
     with pytest.raises(ValueError, match="axis 'batch', which is not bound here"):
-        jax.jit(f)(device_grads(), state)
-
-
-def test_replicated_per_device_state_is_detected(mesh):
-    tx = make_tx(jc.codecs.QSGD(bits=4))
-    state = jc.optax.init(tx, params0(), mesh, AXIS)
-    f = jax.shard_map(
-        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
-        mesh=mesh,
-        in_specs=(P(AXIS), P()),
-        out_specs=(P(), P()),
-        check_vma=False,
-    )
-    with pytest.raises(ValueError, match=r"jc\.optax\.state_specs"):
         jax.jit(f)(device_grads(), state)
 
 
