@@ -159,7 +159,9 @@ def test_hierarchical_axes_conserve(mesh):
     mesh2 = jax.make_mesh((2, 4), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     axes = ("node", "local")
     codec = jc.codecs.QSGD(bits=4)
-    tx = jc.optax.compress_gradients(codec, axes, min_compress_size=512, fusion_bytes=6000)
+    tx = jc.optax.compress_gradients(
+        codec, axes, min_compress_size=512, fusion_bytes=6000, residual_norm=True
+    )
     state = jc.optax.init(tx, params0(), mesh2, axes)
     specs = jc.optax.state_specs(state, axes)
     assert specs.residuals == {k: P(axes) for k in SHAPES}
@@ -182,7 +184,11 @@ def test_hierarchical_axes_conserve(mesh):
         np.testing.assert_allclose(got, ref[k], rtol=0, atol=1e-5 * np.abs(ref[k]).max())
     # float32 over the fast axis, compressed over the slow one
     n = 3800
-    assert float(jc.optax.telemetry(state)["wire_bytes"]) > 2 * 3 / 4 * 4 * n
+    tel = jc.optax.telemetry(state)
+    assert float(tel["wire_bytes"]) > 2 * 3 / 4 * 4 * n
+    # asked for, the residual norm covers every device of both axes
+    norm = np.sqrt(sum(float(np.sum(v**2)) for v in res.values()))
+    assert norm > 0 and float(tel["residual_norm"]) == pytest.approx(norm, rel=1e-5)
 
 
 def test_bfloat16_gradients_and_residuals(mesh):
@@ -196,7 +202,7 @@ def test_bfloat16_gradients_and_residuals(mesh):
     updates, state = run_once(mesh, tx, params, grads)
     assert updates["a"].dtype == jnp.bfloat16 and updates["c"].dtype == jnp.float32
     assert [r.dtype for r in jax.tree.leaves(state.residuals)] == [jnp.bfloat16, jnp.bfloat16]
-    exact = exact_mean(mesh, jax.tree.map(lambda a: a.astype(jnp.float32), grads))
+    exact = exact_mean(jax.tree.map(lambda a: a.astype(jnp.float32), grads))
     for k in ("a", "c"):  # Int8: each device off by at most max|x|/254 per bucket
         err = np.abs(np.asarray(updates[k], np.float32) - np.asarray(exact[k]))
         assert err.max() <= 0.02 * np.abs(np.asarray(g[k])).max()
@@ -448,16 +454,9 @@ def run_once(mesh, tx, params, grads):
     return f(grads, state)
 
 
-def exact_mean(mesh, grads):
-    f = jax.jit(
-        jax.shard_map(
-            lambda g: lax.pmean(jax.tree.map(lambda a: a[0], g), AXIS),
-            mesh=mesh,
-            in_specs=(P(AXIS),),
-            out_specs=P(),
-        )
-    )
-    return f(grads)
+def exact_mean(grads):
+    """The exact mean over the leading device axis (float64, as float32)."""
+    return jax.tree.map(lambda a: np.asarray(a, np.float64).mean(0).astype(np.float32), grads)
 
 
 def device_grads(seed=0):
@@ -476,7 +475,7 @@ def test_policy_selects_codecs_per_leaf(mesh, form):
     tx = jc.optax.compress_gradients(policy, AXIS, min_compress_size=100)
     grads = device_grads()
     updates, state = run_once(mesh, tx, params0(), grads)
-    exact = exact_mean(mesh, grads)
+    exact = exact_mean(grads)
     # 'c' is averaged exactly, 'a' and 'b' are compressed (2-bit QSGD is far off)
     np.testing.assert_allclose(updates["c"], exact["c"], rtol=1e-6, atol=1e-6)
     for k in ("a", "b"):
@@ -518,7 +517,7 @@ def test_warmup_steps_send_the_exact_mean(mesh):
     state, updates = scan_updates(mesh, tx, 5)
     for t in range(5):
         grads = jax.vmap(lambda d, t=t: grads_at(t, d))(jnp.arange(N_DEV))
-        exact = exact_mean(mesh, grads)
+        exact = exact_mean(grads)
         close = all(np.allclose(updates[k][t], exact[k], rtol=1e-6, atol=1e-6) for k in ("a", "c"))
         assert close == (t < 3), f"step {t}"
         np.testing.assert_allclose(updates["b"][t], exact["b"], rtol=1e-6, atol=1e-6)
@@ -542,8 +541,6 @@ def test_warmup_leaves_no_residual_and_reports_full_width(mesh):
         (jc.codecs.QSGD(bits=4), "allgather"),
         (jc.codecs.QSGD(bits=4), "two_phase"),
         (jc.codecs.QSGD(bits=4), "ring"),
-        (jc.codecs.TernGrad(), "two_phase"),
-        (jc.codecs.Cast(), "allgather"),
     ],
     ids=lambda v: v if isinstance(v, str) else codec_id(v),
 )
@@ -570,15 +567,6 @@ def test_telemetry_values(mesh, codec, algorithm):
     assert float(tel["compression_ratio"]) == pytest.approx(baseline / sent, rel=1e-6)
     assert float(tel["residual_norm"]) == 0.0  # not computed unless asked for
     assert int(tel["step"]) == 3
-
-
-def test_residual_norm_on_request(mesh):
-    tx = make_tx(jc.codecs.QSGD(bits=4), residual_norm=True)
-    state, _ = scan_updates(mesh, tx, 3)
-    res = residual_leaves(state)
-    norm = np.sqrt(sum(float(np.sum(v**2)) for v in res.values()))
-    assert norm > 0
-    assert float(jc.optax.telemetry(state)["residual_norm"]) == pytest.approx(norm, rel=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -676,7 +664,7 @@ def test_orbax_checkpoint_restores_bit_identically(mesh, tmp_path):
 def test_checkpoint_restores_across_fusion_and_policy(mesh, tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     codec = jc.codecs.QSGD(bits=4)
-    state, first = scan_updates(mesh, make_tx(codec, fusion_bytes=1 << 20), 20)
+    state, first = scan_updates(mesh, make_tx(codec, fusion_bytes=1 << 20), 10)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "ckpt", state)
     ckpt.wait_until_finished()
@@ -695,10 +683,10 @@ def test_checkpoint_restores_across_fusion_and_policy(mesh, tmp_path):
         restored = ckpt.restore(tmp_path / "ckpt", target)
         for k, r in residual_leaves(restored).items():
             np.testing.assert_array_equal(r, saved[k], err_msg=f"{name}: {k}")
-        state, second = scan_updates(mesh, tx, 20, state=restored, t0=20)
-        assert int(state.step) == 40
+        state, second = scan_updates(mesh, tx, 10, state=restored, t0=10)
+        assert int(state.step) == 20
         assert all(np.isfinite(np.asarray(u)).all() for u in second.values())
-        assert conservation_gap([first, second], state, 40) < 1e-5, name
+        assert conservation_gap([first, second], state, 20) < 1e-5, name
         if name == "policy":  # sent exactly now: its residual went out with it
             assert not residual_leaves(state)["c"].any()
 
@@ -737,7 +725,7 @@ def test_inject_hyperparams_warmup_steps(mesh):
             step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs), check_vma=False
         )
     )
-    exact = exact_mean(mesh, g)
+    exact = exact_mean(g)
     u1, s1 = f(g, state)  # step 0 < warmup_steps=1: exact
     np.testing.assert_allclose(u1["a"], exact["a"], rtol=1e-6, atol=1e-6)
     hyperparams = dict(
