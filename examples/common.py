@@ -4,8 +4,9 @@ loop, the progress bar and the command-line flags.
 
 The parameters are replicated over the ``"data"`` mesh axis (every device
 applies the same all-reduced update); the optimizer state is laid out by
-``jc.optax.init``: each device's error-feedback residual is its own row of an
-array sharded over ``"data"``, the rest replicated (docs/training.md).
+``jc.optax.init``: the error-feedback residuals are shaped like the
+parameters, each device's its own row of arrays sharded over ``"data"``; the
+rest is replicated (docs/training.md).
 """
 
 from __future__ import annotations
