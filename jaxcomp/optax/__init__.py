@@ -1,9 +1,11 @@
 """Compressed gradient all-reduce as an optax transformation.
 
 ``compress_gradients`` replaces the gradient ``lax.pmean`` of a
-data-parallel train step (inside ``jax.shard_map`` or ``jax.pmap``): error
-feedback, tensor fusion, per-leaf codec policy, warm-up and telemetry live in
-its state. See docs/training.md.
+data-parallel train step (inside ``jax.shard_map`` or ``jax.pmap``). Its
+state holds the error-feedback residuals, shaped like the parameters, and
+the telemetry; tensor fusion, the per-leaf codec policy and warm-up decide
+how each step sends the gradients, and the state does not depend on them.
+See docs/training.md.
 """
 
 from jaxcomp.optax._plan import Bucket, Plan, make_plan

@@ -22,14 +22,20 @@ def _find(opt_state) -> list[CompressState]:
 
 
 def telemetry(opt_state) -> dict[str, jax.Array]:
-    """The last step's telemetry of the ``compress_gradients`` state found
-    anywhere inside ``opt_state`` (a chain, ``inject_hyperparams``,
-    ``MultiSteps``, ...; the first one if there are several).
+    """The last step's telemetry of a ``compress_gradients`` state.
 
+    Args:
+      opt_state: an optimizer state holding a :class:`CompressState`
+        anywhere (a chain, ``inject_hyperparams``, ``MultiSteps``, ...; the
+        first one counts if there are several).
     Returns:
       ``{"step", "bits_per_element", "wire_bytes", "compression_ratio",
       "residual_norm"}``: scalars for a shard_map state, arrays with the
       leading device axis for a pmap state (the same value on every device).
+      ``residual_norm`` is 0 unless the transformation was built with
+      ``residual_norm=True`` (see :class:`Telemetry`).
+    Raises:
+      ValueError: ``opt_state`` holds no ``compress_gradients`` state.
     """
     found = _find(opt_state)
     if not found:
@@ -50,11 +56,12 @@ def state_specs(opt_state, axis_name) -> Any:
 
     Per-device leaves get ``P(axis_name)`` (sharded along the data axis, one
     row per device), everything else ``P()`` (replicated). Per-device are:
-    the residuals of every :class:`CompressState`, and the accumulated
-    gradients of an ``optax.MultiSteps`` whose inner state holds a
-    ``compress_gradients`` state (they are summed before the compressed
-    all-reduce, so they differ per device; they are stored concatenated
-    along their first axis).
+    the residuals of every :class:`CompressState` (one
+    ``[devices, *leaf.shape]`` array per floating-point parameter leaf), and
+    the accumulated gradients of an ``optax.MultiSteps`` whose inner state
+    holds a ``compress_gradients`` state (they are summed before the
+    compressed all-reduce, so they differ per device; they are stored
+    concatenated along their first axis).
 
     Args:
       opt_state: the optimizer state, or its ``jax.eval_shape``.
@@ -94,9 +101,12 @@ def state_specs(opt_state, axis_name) -> Any:
 
 
 def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name) -> Any:
-    """``tx.init(params)`` on every device of ``mesh``, laid out for
-    ``jax.shard_map`` with :func:`state_specs`: per-device leaves sharded
-    along ``axis_name``, the rest replicated.
+    """Initializes an optimizer state on a mesh, laid out for ``jax.shard_map``.
+
+    Runs ``tx.init(params)`` on every device of ``mesh``: the per-device
+    leaves of :func:`state_specs` come out sharded along ``axis_name`` (each
+    error-feedback residual a ``[devices, *leaf.shape]`` array), the rest
+    replicated.
 
     Args:
       tx: the optimizer (a chain containing ``compress_gradients``).

@@ -1,6 +1,7 @@
 """``compress_gradients``: the compressed gradient all-reduce as an optax
-transformation, with error feedback, tensor fusion, a per-leaf codec policy,
-warm-up and telemetry in its state."""
+transformation (error feedback, tensor fusion, a per-leaf codec policy,
+warm-up, telemetry), its state, and the checks that a state fits the
+gradients."""
 
 from __future__ import annotations
 
