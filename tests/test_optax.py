@@ -541,6 +541,7 @@ def test_warmup_leaves_no_residual_and_reports_full_width(mesh):
         (jc.codecs.QSGD(bits=4), "allgather"),
         (jc.codecs.QSGD(bits=4), "two_phase"),
         (jc.codecs.QSGD(bits=4), "ring"),
+        (jc.codecs.Identity(), "allreduce"),  # a linear codec: a psum of payloads
     ],
     ids=lambda v: v if isinstance(v, str) else codec_id(v),
 )
@@ -560,6 +561,8 @@ def test_telemetry_values(mesh, codec, algorithm):
             sent += (N_DEV - 1) * ops["all-gather"]
         elif algorithm == "two_phase":
             sent += (N_DEV - 1) / N_DEV * ops["all-to-all"] + (N_DEV - 1) * ops["all-gather"]
+        elif algorithm == "allreduce":
+            sent += 2 * (N_DEV - 1) / N_DEV * ops["all-reduce"]
         else:
             sent += ops["collective-permute"]
     assert float(tel["wire_bytes"]) == pytest.approx(sent, rel=1e-6)

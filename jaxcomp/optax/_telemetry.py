@@ -12,8 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec
-from jaxcomp.collectives import choose_algorithm, operand_nbytes
+from jaxcomp.collectives import send_nbytes, uncompressed_send_nbytes
 from jaxcomp.optax._plan import Plan
 
 
@@ -26,9 +25,9 @@ class Telemetry(NamedTuple):
         leaves at their own width (8 x itemsize); during warm-up, every leaf
         at its own width.
       wire_bytes: float32[]: bytes this device sent in the step's
-        collectives (the algorithms' per-device send volume: (P-1) x C(n) for
-        an allgather, 2 (P-1)/P x C(n) for two-phase and ring, and
-        2 (P-1)/P x n x itemsize for an uncompressed all-reduce; for
+        collectives (``jc.collectives.send_nbytes`` of each bucket: (P-1) x
+        C(n) for an allgather, 2 (P-1)/P x C(n) for two-phase and ring; and
+        2 (P-1)/P x n x itemsize for the uncompressed all-reduce; for
         variable-rate codecs and the sparse algorithm, the largest capacity
         tier, an upper bound).
       compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of all
@@ -49,37 +48,11 @@ class Telemetry(NamedTuple):
     residual_norm: jax.Array
 
 
-def _allreduce_bytes(nbytes: int, p: int) -> float:
-    """Per-device send volume of an uncompressed ring all-reduce."""
-    return 2.0 * (p - 1) / p * nbytes if p > 1 else 0.0
-
-
-def _sent_bytes(codec: Codec, n: int, dtype, sizes: tuple[int, ...], algorithm: str) -> float:
-    """Per-device send volume of ``jc.pmean`` of ``n`` values."""
-    if len(sizes) == 2:  # hierarchical: float32 over the fast axis, compressed over the slow one
-        slow, fast = sizes
-        chunk = -(-n // fast)
-        return 2.0 * (fast - 1) / fast * 4 * n + _sent_bytes(codec, chunk, dtype, (slow,), "auto")
-    (p,) = sizes
-    if p == 1:
-        return 0.0
-    alg = choose_algorithm(codec, n, p) if algorithm == "auto" else algorithm
-    total = 0.0
-    for kind, op in operand_nbytes(codec, (n,), dtype, p, alg).items():
-        if kind == "all-gather":
-            total += (p - 1) * op
-        elif kind == "all-to-all":
-            total += (p - 1) / p * op
-        else:  # collective-permute: every operand byte is sent
-            total += op
-    return total
-
-
 def _stats(payload: float, wire: float, plan: Plan, p: int) -> tuple[float, float, float]:
     """(bits_per_element, wire_bytes, compression_ratio) of a step."""
     bits = 8.0 * payload / max(plan.num_elements, 1)
     if p > 1:
-        ratio = _allreduce_bytes(4 * plan.num_elements, p) / wire if wire else 1.0
+        ratio = uncompressed_send_nbytes(4 * plan.num_elements, p) / wire if wire else 1.0
     else:
         ratio = 32.0 / bits if bits else 1.0
     return bits, wire, ratio
@@ -98,13 +71,14 @@ def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
     """
     p = int(np.prod(sizes))
     exact_payload = sum(g.size * g.dtype.itemsize for g in plan.groups if g.codec is None)
-    exact_wire = _allreduce_bytes(exact_payload, p)
+    exact_wire = uncompressed_send_nbytes(exact_payload, p)
     comp_payload = sum(b.codec.wire_nbytes((b.size,), b.dtype) for b in plan.buckets)
-    comp_wire = sum(_sent_bytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets)
+    comp_wire = sum(send_nbytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets)
     raw_payload = sum(b.size * b.dtype.itemsize for b in plan.buckets)
+    raw_wire = uncompressed_send_nbytes(raw_payload, p)
     return (
         _stats(comp_payload + exact_payload, comp_wire + exact_wire, plan, p),
-        _stats(raw_payload + exact_payload, exact_wire + _allreduce_bytes(raw_payload, p), plan, p),
+        _stats(raw_payload + exact_payload, exact_wire + raw_wire, plan, p),
     )
 
 
