@@ -101,6 +101,18 @@ def scan_updates(mesh, tx, steps, state=None, t0=0):
     return f(state)
 
 
+def mapped_update(mesh, tx, specs):
+    """``tx.update`` on every device of ``mesh``: ``(grads with a leading
+    device axis, state laid out by specs) -> (updates, state)``."""
+    return jax.shard_map(
+        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+        mesh=mesh,
+        in_specs=(P(AXIS), specs),
+        out_specs=(P(), specs),
+        check_vma=False,
+    )
+
+
 def residual_leaves(state):
     """The per-device residuals of a shard_map state: {leaf: float64
     [devices, ...]} (the state holds them shaped like the parameters)."""
@@ -277,24 +289,10 @@ def test_residuals_are_shaped_like_the_parameters(mesh):
     assert int(after.step) == 1
 
 
-def device_update(mesh, tx, state):
-    """A jitted ``(grads [devices, ...], state) -> (updates, state)`` for
-    states laid out like ``state``."""
-    specs = jc.optax.state_specs(state, AXIS)
-    f = jax.shard_map(
-        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
-        mesh=mesh,
-        in_specs=(P(AXIS), specs),
-        out_specs=(P(), specs),
-        check_vma=False,
-    )
-    return jax.jit(f)
-
-
 def test_a_non_finite_step_leaves_the_state_as_it_was(mesh):
     tx = make_tx(jc.codecs.QSGD(bits=4), residual_dtype="float16")
     state0 = jc.optax.init(tx, params0(), mesh, AXIS)
-    step = device_update(mesh, tx, state0)
+    step = jax.jit(mapped_update(mesh, tx, jc.optax.state_specs(state0, AXIS)))
     _, state1 = step(device_grads(0), state0)
     kept = state1._replace(telemetry=None)
 
@@ -344,14 +342,7 @@ def test_a_state_that_does_not_fit_is_rejected(mesh, case):
     if case == "replicated":
         specs = jax.tree.map(lambda _: P(), state)
         match = r"the per-device state was passed as replicated.*jc\.optax\.state_specs"
-    specs = specs or jc.optax.state_specs(state, AXIS)
-    f = jax.shard_map(
-        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
-        mesh=mesh,
-        in_specs=(P(AXIS), specs),
-        out_specs=(P(), specs),
-        check_vma=False,
-    )
+    f = mapped_update(mesh, tx, specs or jc.optax.state_specs(state, AXIS))
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(f, device_grads(), state)
 
@@ -401,20 +392,7 @@ def test_fusion_issues_few_collectives(mesh):
     def compiled_counts(fusion_bytes, **kw):
         tx = jc.optax.compress_gradients(codec, AXIS, fusion_bytes=fusion_bytes, **kw)
         state = jc.optax.init(tx, params, mesh, AXIS)
-        specs = jc.optax.state_specs(state, AXIS)
-
-        def step(g, s):
-            return tx.update(jax.tree.map(lambda a: a[0], g), s)
-
-        f = jax.jit(
-            jax.shard_map(
-                step,
-                mesh=mesh,
-                in_specs=(P(AXIS), specs),
-                out_specs=(P(), specs),
-                check_vma=False,
-            )
-        )
+        f = jax.jit(mapped_update(mesh, tx, jc.optax.state_specs(state, AXIS)))
         hlo = f.lower(grads, state).compile().as_text()
         plan = jc.optax.make_plan(codec, params, min_compress_size=1024, fusion_bytes=fusion_bytes)
         return _count_collectives(hlo), len(plan.buckets)
@@ -441,17 +419,7 @@ def test_fusion_issues_few_collectives(mesh):
 def run_once(mesh, tx, params, grads):
     """One update on every device; grads has a leading device axis."""
     state = jc.optax.init(tx, params, mesh, AXIS)
-    specs = jc.optax.state_specs(state, AXIS)
-
-    def step(g, s):
-        return tx.update(jax.tree.map(lambda a: a[0], g), s)
-
-    f = jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs), check_vma=False
-        )
-    )
-    return f(grads, state)
+    return jax.jit(mapped_update(mesh, tx, jc.optax.state_specs(state, AXIS)))(grads, state)
 
 
 def exact_mean(grads):
@@ -717,17 +685,8 @@ def test_inject_hyperparams_warmup_steps(mesh):
         warmup_steps=1,
     )
     state = jc.optax.init(tx, params0(), mesh, AXIS)
-    specs = jc.optax.state_specs(state, AXIS)
     g = device_grads(0)
-
-    def step(g, s):
-        return tx.update(jax.tree.map(lambda a: a[0], g), s)
-
-    f = jax.jit(
-        jax.shard_map(
-            step, mesh=mesh, in_specs=(P(AXIS), specs), out_specs=(P(), specs), check_vma=False
-        )
-    )
+    f = jax.jit(mapped_update(mesh, tx, jc.optax.state_specs(state, AXIS)))
     exact = exact_mean(g)
     u1, s1 = f(g, state)  # step 0 < warmup_steps=1: exact
     np.testing.assert_allclose(u1["a"], exact["a"], rtol=1e-6, atol=1e-6)
@@ -785,14 +744,7 @@ def test_update_outside_a_mapped_step():
 def test_update_with_an_unbound_axis_name(mesh):
     tx = jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), "batch")
     state = jc.optax.init(tx, params0(), mesh, AXIS)
-    specs = jc.optax.state_specs(state, AXIS)
-    f = jax.shard_map(
-        lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
-        mesh=mesh,
-        in_specs=(P(AXIS), specs),
-        out_specs=(P(), specs),
-        check_vma=False,
-    )
+    f = mapped_update(mesh, tx, jc.optax.state_specs(state, AXIS))
     with pytest.raises(ValueError, match="axis 'batch', which is not bound here"):
         jax.jit(f)(device_grads(), state)
 
