@@ -158,6 +158,42 @@ def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
     return codecs
 
 
+def _route(path: str, codec: Codec | None, size: int, dtype: np.dtype, min_compress_size: int):
+    """Where a leaf goes this step: "passthrough" (a float0 gradient),
+    "exact" (uncompressed) or "compressed"; a TypeError if none fits."""
+    if dtype == np.dtype(jax.dtypes.float0):
+        return "passthrough"
+    if codec is None or size < min_compress_size:
+        if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)):
+            raise TypeError(
+                f"jc.optax.compress_gradients: gradient {path} has dtype {dtype.name}; only "
+                "floating-point gradients can be averaged"
+            )
+        return "exact"
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"jc.optax.compress_gradients: {codec!r} cannot carry gradient {path} of dtype "
+            f"{dtype.name} (codecs take float32, bfloat16 or float16); give that leaf the codec "
+            "None in a policy (a callable (path, leaf) -> codec | None, or a pytree of codecs) "
+            "to send it uncompressed"
+        )
+    return "compressed"
+
+
+def _fuse(leaves: list[int], sizes: list[int], itemsize: int, fusion_bytes: int):
+    """Splits leaves sharing a codec and dtype, in order, into buckets of at
+    most ``fusion_bytes`` (a larger leaf is a bucket of its own)."""
+    buckets: list[list[int]] = [[]]
+    nbytes = 0
+    for i in leaves:
+        if buckets[-1] and nbytes + sizes[i] * itemsize > fusion_bytes:
+            buckets.append([])
+            nbytes = 0
+        buckets[-1].append(i)
+        nbytes += sizes[i] * itemsize
+    return buckets
+
+
 def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int) -> Plan:
     """Builds the plan for gradients shaped like ``tree``.
 
@@ -177,54 +213,27 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     codecs = _leaf_codecs(policy, tree)
+    paths = tuple(jax.tree_util.keystr(path) for path, _ in leaves_with_path)
     shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves_with_path)
     dtypes = tuple(np.dtype(leaf.dtype) for _, leaf in leaves_with_path)
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
 
-    groups: dict[tuple[Codec, np.dtype], list[list[int]]] = {}
-    order: list[tuple[Codec, np.dtype]] = []
+    compressed: dict[tuple[Codec, np.dtype], list[int]] = {}
     exact: dict[np.dtype, list[int]] = {}
     passthrough: list[int] = []
-    for i, ((path, _), codec, shape, dtype) in enumerate(
-        zip(leaves_with_path, codecs, shapes, dtypes, strict=True)
-    ):
-        size = int(np.prod(shape, dtype=np.int64))
-        if dtype == np.dtype(jax.dtypes.float0):
+    for i, codec in enumerate(codecs):
+        route = _route(paths[i], codec, sizes[i], dtypes[i], min_compress_size)
+        if route == "passthrough":
             passthrough.append(i)
-            continue
-        if codec is None or size < min_compress_size:
-            if not (
-                jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)
-            ):
-                raise TypeError(
-                    f"jc.optax.compress_gradients: gradient {jax.tree_util.keystr(path)} has "
-                    f"dtype {dtype.name}; only floating-point gradients can be averaged"
-                )
-            exact.setdefault(dtype, []).append(i)
-            continue
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"jc.optax.compress_gradients: {codec!r} cannot carry gradient "
-                f"{jax.tree_util.keystr(path)} of dtype {dtype.name} (codecs take float32, "
-                "bfloat16 or float16); give that leaf the codec None in a policy "
-                "(a callable (path, leaf) -> codec | None, or a pytree of codecs) to send it "
-                "uncompressed"
-            )
-        k = (codec, dtype)
-        if k not in groups:
-            groups[k] = [[]]
-            order.append(k)
-        current = groups[k][-1]
-        nbytes = sum(int(np.prod(shapes[j], dtype=np.int64)) for j in current) * dtype.itemsize
-        if current and nbytes + size * dtype.itemsize > fusion_bytes:
-            groups[k].append([i])
+        elif route == "exact":
+            exact.setdefault(dtypes[i], []).append(i)
         else:
-            current.append(i)
-
-    buckets = []
-    for k in order:
-        for members in groups[k]:
-            sizes = tuple(int(np.prod(shapes[j], dtype=np.int64)) for j in members)
-            buckets.append(Bucket(k[0], k[1], tuple(members), sizes))
+            compressed.setdefault((codec, dtypes[i]), []).append(i)
+    buckets = [
+        Bucket(codec, dtype, tuple(members), tuple(sizes[j] for j in members))
+        for (codec, dtype), leaves in compressed.items()
+        for members in _fuse(leaves, sizes, dtype.itemsize, fusion_bytes)
+    ]
     buckets.sort(key=lambda b: b.leaves[0])
     return Plan(
         treedef,
@@ -233,5 +242,5 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
         tuple(buckets),
         tuple((d, tuple(ix)) for d, ix in exact.items()),
         tuple(passthrough),
-        tuple(jax.tree_util.keystr(path) for path, _ in leaves_with_path),
+        paths,
     )

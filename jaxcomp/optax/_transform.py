@@ -140,41 +140,37 @@ def _read_residuals(plan: Plan, residuals, dtype) -> list:
             f"with parameters of another structure?\n  residuals: {found}\n  gradients: "
             f"{plan.treedef}"
         )
-    out = []
-    for r, path, shape, dt, carries in zip(
-        plan.treedef.flatten_up_to(residuals),
-        plan.paths,
-        plan.shapes,
-        plan.dtypes,
-        plan.carries_residual,
-        strict=True,
-    ):
-        if not carries:
-            if not _is_masked(r):
-                raise ValueError(
-                    f"{_WHO}: gradient {path} of dtype {dt.name} has no residual, but the "
-                    f"state holds a {type(r).__name__} for it (expected optax.MaskedNode()): "
-                    "was the state initialized with parameters of other dtypes?"
-                )
-            out.append(None)
-            continue
-        if _is_masked(r) or tuple(r.shape[1:]) != shape:
-            got = "optax.MaskedNode()" if _is_masked(r) else f"shape {tuple(r.shape)}"
-            raise ValueError(
-                f"{_WHO}: the state's residual for {path} has {got}, but the gradient has "
-                f"shape {shape} (expected (1, *shape) inside the mapped step): was the state "
-                "initialized with other parameters?"
-            )
-        if r.shape[0] != 1:
-            raise _replicated_error(path, r.shape[0])
-        if r.dtype != dtype:
-            raise ValueError(
-                f"{_WHO}: the state's residual for {path} has dtype {r.dtype.name}, but "
-                f"residual_dtype is {dtype.name}: build the transformation with the "
-                "residual_dtype the state was created with"
-            )
-        out.append(r[0])
-    return out
+    leaves = plan.treedef.flatten_up_to(residuals)
+    return [_read_residual(plan, i, r, dtype) for i, r in enumerate(leaves)]
+
+
+def _read_residual(plan: Plan, i: int, r, dtype):
+    """Leaf ``i``'s residual on this device (``r[0]``), or None, checked."""
+    path, shape = plan.paths[i], plan.shapes[i]
+    if not plan.carries_residual[i]:
+        if _is_masked(r):
+            return None
+        raise ValueError(
+            f"{_WHO}: gradient {path} of dtype {plan.dtypes[i].name} has no residual, but "
+            f"the state holds a {type(r).__name__} for it (expected optax.MaskedNode()): was "
+            "the state initialized with parameters of other dtypes?"
+        )
+    if _is_masked(r) or tuple(r.shape[1:]) != shape:
+        got = "optax.MaskedNode()" if _is_masked(r) else f"shape {tuple(r.shape)}"
+        raise ValueError(
+            f"{_WHO}: the state's residual for {path} has {got}, but the gradient has shape "
+            f"{shape} (expected (1, *shape) inside the mapped step): was the state initialized "
+            "with other parameters?"
+        )
+    if r.shape[0] != 1:
+        raise _replicated_error(path, r.shape[0])
+    if r.dtype != dtype:
+        raise ValueError(
+            f"{_WHO}: the state's residual for {path} has dtype {r.dtype.name}, but "
+            f"residual_dtype is {dtype.name}: build the transformation with the "
+            "residual_dtype the state was created with"
+        )
+    return r[0]
 
 
 def _write_residuals(plan: Plan, old: list, new: list, keep) -> Any:
