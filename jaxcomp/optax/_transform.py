@@ -31,7 +31,9 @@ class CompressState(NamedTuple):
       key: uint32[2]: the raw PRNG key of the next step, split every step
         (replicated; each device's draws differ because ``jc.pmean`` folds
         in the device index).
-      residuals: this device's error-feedback residuals, a pytree with the
+      residuals: this device's error-feedback residuals (what compression
+        has not yet got across: Seide et al. 2014's quantization error, 3LC's
+        error accumulation buffers, SparCML's residual), a pytree with the
         parameters' structure: residual_dtype[1, *leaf.shape] for every
         floating-point leaf (the leading axis of size 1 is the device's row
         of a [devices, *leaf.shape] array, see ``state_specs``), and
