@@ -278,7 +278,7 @@ ffi::Error NaturalDecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ff
 }  // namespace jaxcomp
 
 // The symbols carry "Cuda" so that they can never be confused with the CPU
-// module's handlers of the same targets; module.cc declares them.
+// module's handlers of the same targets.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdEncode, jaxcomp::cuda::QsgdEncodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -371,3 +371,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalDecode, jaxcomp::cuda::NaturalDe
                                   .Arg<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Attr<int64_t>("bucket_size"));
+
+JAXCOMP_REGISTER("jaxcomp_qsgd_encode", JaxcompCudaQsgdEncode);
+JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompCudaQsgdDecode);
+JAXCOMP_REGISTER("jaxcomp_int8_encode", JaxcompCudaInt8Encode);
+JAXCOMP_REGISTER("jaxcomp_int8_decode", JaxcompCudaInt8Decode);
+JAXCOMP_REGISTER("jaxcomp_onebit_encode", JaxcompCudaOnebitEncode);
+JAXCOMP_REGISTER("jaxcomp_onebit_decode", JaxcompCudaOnebitDecode);
+JAXCOMP_REGISTER("jaxcomp_cast", JaxcompCudaCast);
+JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompCudaTerngradEncode);
+JAXCOMP_REGISTER("jaxcomp_terngrad_decode", JaxcompCudaTerngradDecode);
+JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompCudaNaturalEncode);
+JAXCOMP_REGISTER("jaxcomp_natural_decode", JaxcompCudaNaturalDecode);

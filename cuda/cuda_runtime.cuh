@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <string>
 
-#include "jaxcomp/handlers.h"
+#include "jaxcomp/registry.h"
 #include "kernels.cuh"
 #include "xla/ffi/api/ffi.h"
 

@@ -418,9 +418,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcDecode, jaxcomp::cuda::DecodeImp
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Ret<ffi::Buffer<ffi::U8>>());  // work
 
-namespace jaxcomp {
-std::vector<HandlerEntry> threelc_cuda_handlers() {
-  return {{"jaxcomp_threelc_encode", reinterpret_cast<void*>(JaxcompCudaThreelcEncode)},
-          {"jaxcomp_threelc_decode", reinterpret_cast<void*>(JaxcompCudaThreelcDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompCudaThreelcEncode);
+JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompCudaThreelcDecode);

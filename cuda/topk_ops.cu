@@ -448,9 +448,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::TopkDecodeIm
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 
-namespace jaxcomp {
-std::vector<HandlerEntry> topk_cuda_handlers() {
-  return {{"jaxcomp_topk_encode", reinterpret_cast<void*>(JaxcompCudaTopkEncode)},
-          {"jaxcomp_topk_decode", reinterpret_cast<void*>(JaxcompCudaTopkDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompCudaTopkEncode);
+JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompCudaTopkDecode);

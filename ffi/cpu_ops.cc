@@ -4,6 +4,7 @@
 // kernel_table.h over bucket ranges, split across the thread pool that XLA
 // hands to FFI calls when the input is large enough to pay for it.
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 
 #include "cpu_runtime.h"
@@ -382,29 +383,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalDecode, jaxcomp::NaturalDecodeImpl,
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Attr<int64_t>("bucket_size"));
 
-namespace {
-template <typename T>
-nb::capsule capsule(T* fn) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-}  // namespace
+JAXCOMP_REGISTER("jaxcomp_qsgd_encode", JaxcompQsgdEncode);
+JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompQsgdDecode);
+JAXCOMP_REGISTER("jaxcomp_int8_encode", JaxcompInt8Encode);
+JAXCOMP_REGISTER("jaxcomp_int8_decode", JaxcompInt8Decode);
+JAXCOMP_REGISTER("jaxcomp_onebit_encode", JaxcompOnebitEncode);
+JAXCOMP_REGISTER("jaxcomp_onebit_decode", JaxcompOnebitDecode);
+JAXCOMP_REGISTER("jaxcomp_cast", JaxcompCast);
+JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompTerngradEncode);
+JAXCOMP_REGISTER("jaxcomp_terngrad_decode", JaxcompTerngradDecode);
+JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompNaturalEncode);
+JAXCOMP_REGISTER("jaxcomp_natural_decode", JaxcompNaturalDecode);
 
 NB_MODULE(_jaxcomp_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
-    d["jaxcomp_qsgd_encode"] = capsule(JaxcompQsgdEncode);
-    d["jaxcomp_qsgd_decode"] = capsule(JaxcompQsgdDecode);
-    d["jaxcomp_int8_encode"] = capsule(JaxcompInt8Encode);
-    d["jaxcomp_int8_decode"] = capsule(JaxcompInt8Decode);
-    d["jaxcomp_onebit_encode"] = capsule(JaxcompOnebitEncode);
-    d["jaxcomp_onebit_decode"] = capsule(JaxcompOnebitDecode);
-    d["jaxcomp_cast"] = capsule(JaxcompCast);
-    d["jaxcomp_terngrad_encode"] = capsule(JaxcompTerngradEncode);
-    d["jaxcomp_terngrad_decode"] = capsule(JaxcompTerngradDecode);
-    d["jaxcomp_natural_encode"] = capsule(JaxcompNaturalEncode);
-    d["jaxcomp_natural_decode"] = capsule(JaxcompNaturalDecode);
-    for (auto list : {jaxcomp::threelc_cpu_handlers(), jaxcomp::topk_cpu_handlers()}) {
-      for (const jaxcomp::HandlerEntry& e : list) d[e.name] = nb::capsule(e.handler);
+    for (const jaxcomp::HandlerEntry& e : jaxcomp::registered_handlers()) {
+      if (d.contains(e.name)) throw std::runtime_error(std::string("two handlers registered as ") + e.name);
+      d[e.name] = nb::capsule(e.handler);
     }
     return d;
   });

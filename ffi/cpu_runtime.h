@@ -1,6 +1,6 @@
 // What every CPU FFI handler file shares: the thread-pool loop, the denormal
 // mode XLA's CPU runtime uses, buffer checks, and the registry through which
-// each file hands its handlers to the nanobind module in cpu_ops.cc.
+// each file hands its handlers to the nanobind module in cpu_ops.cc (registry.h).
 #pragma once
 
 #include <algorithm>
@@ -21,7 +21,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "jaxcomp/handlers.h"
+#include "jaxcomp/registry.h"
 #include "kernel_table.h"
 #include "xla/ffi/api/ffi.h"
 

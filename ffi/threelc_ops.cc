@@ -397,9 +397,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThreelcDecode, jaxcomp::DecodeImpl,
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Ret<ffi::Buffer<ffi::U8>>());  // work: expanded base-3^5 bytes
 
-namespace jaxcomp {
-std::vector<HandlerEntry> threelc_cpu_handlers() {
-  return {{"jaxcomp_threelc_encode", reinterpret_cast<void*>(JaxcompThreelcEncode)},
-          {"jaxcomp_threelc_decode", reinterpret_cast<void*>(JaxcompThreelcDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompThreelcEncode);
+JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompThreelcDecode);

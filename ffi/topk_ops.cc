@@ -515,9 +515,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::TopkDecodeImpl,
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 
-namespace jaxcomp {
-std::vector<HandlerEntry> topk_cpu_handlers() {
-  return {{"jaxcomp_topk_encode", reinterpret_cast<void*>(JaxcompTopkEncode)},
-          {"jaxcomp_topk_decode", reinterpret_cast<void*>(JaxcompTopkDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompTopkEncode);
+JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompTopkDecode);
