@@ -49,10 +49,11 @@ std::string check_bucketed(ffi::AnyBuffer& x, int64_t bucket, int64_t body_bytes
 // ---------------------------------------------------------------------------
 // QSGD
 // ---------------------------------------------------------------------------
-ffi::Error QsgdEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+ffi::Error QsgdEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                           ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
                           int64_t bucket, int64_t l2) {
   const char* op = "jaxcomp_qsgd_encode";
+  PoolRunner pool(thread_pool);
   if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
   if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
   const int64_t n = x.element_count();
@@ -72,9 +73,10 @@ ffi::Error QsgdEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error QsgdDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+ffi::Error QsgdDecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
                           ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
   const char* op = "jaxcomp_qsgd_decode";
+  PoolRunner pool(thread_pool);
   if (bits != 2 && bits != 3 && bits != 4 && bits != 8) return invalid(op, "bits must be 2, 3, 4 or 8");
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
@@ -96,9 +98,10 @@ ffi::Error QsgdDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi
 // ---------------------------------------------------------------------------
 // Int8
 // ---------------------------------------------------------------------------
-ffi::Error Int8EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S8> q,
+ffi::Error Int8EncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::S8> q,
                           ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
   const char* op = "jaxcomp_int8_encode";
+  PoolRunner pool(thread_pool);
   const int64_t n = x.element_count();
   const int64_t nb = num_buckets(n, bucket);
   DType dt;
@@ -115,9 +118,10 @@ ffi::Error Int8EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuf
   return ffi::Error::Success();
 }
 
-ffi::Error Int8DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scales,
+ffi::Error Int8DecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scales,
                           ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
   const char* op = "jaxcomp_int8_decode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
   if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
@@ -138,9 +142,10 @@ ffi::Error Int8DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> q, ffi::Buf
 // ---------------------------------------------------------------------------
 // 1-bit SGD
 // ---------------------------------------------------------------------------
-ffi::Error OnebitEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
+ffi::Error OnebitEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
                             ffi::ResultBuffer<ffi::F32> means, int64_t bucket) {
   const char* op = "jaxcomp_onebit_encode";
+  PoolRunner pool(thread_pool);
   const int64_t n = x.element_count();
   const int64_t nb = num_buckets(n, bucket);
   DType dt;
@@ -156,9 +161,10 @@ ffi::Error OnebitEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultB
   return ffi::Error::Success();
 }
 
-ffi::Error OnebitDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
+ffi::Error OnebitDecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
                             ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
   const char* op = "jaxcomp_onebit_decode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
   if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
@@ -179,8 +185,9 @@ ffi::Error OnebitDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> bits, ffi
 // ---------------------------------------------------------------------------
 // Float casts (the Cast codec's encode and decode)
 // ---------------------------------------------------------------------------
-ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+ffi::Error CastImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   const char* op = "jaxcomp_cast";
+  PoolRunner pool(thread_pool);
   DType from, to;
   if (!to_dtype(x.element_type(), &from)) return invalid(op, "input must be float32, bfloat16 or float16");
   if (!to_dtype(y->element_type(), &to)) return invalid(op, "output must be float32, bfloat16 or float16");
@@ -197,10 +204,11 @@ ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
 // TernGrad: scales per bucket first, then the base-3^5 bytes (each byte
 // reads one element of each of the five planes, from different buckets).
 // ---------------------------------------------------------------------------
-ffi::Error TerngradEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+ffi::Error TerngradEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                               ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales,
                               int64_t bucket) {
   const char* op = "jaxcomp_terngrad_encode";
+  PoolRunner pool(thread_pool);
   if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
   const int64_t n = x.element_count();
   const int64_t nb = num_buckets(n, bucket);
@@ -221,9 +229,10 @@ ffi::Error TerngradEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffe
   return ffi::Error::Success();
 }
 
-ffi::Error TerngradDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
+ffi::Error TerngradDecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
                               ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
   const char* op = "jaxcomp_terngrad_decode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
   if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");
@@ -244,10 +253,11 @@ ffi::Error TerngradDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> trits, 
 // ---------------------------------------------------------------------------
 // Natural compression
 // ---------------------------------------------------------------------------
-ffi::Error NaturalEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+ffi::Error NaturalEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                              ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
                              int64_t stochastic) {
   const char* op = "jaxcomp_natural_encode";
+  PoolRunner pool(thread_pool);
   if (seed.element_count() != 2) return invalid(op, "seed must have 2 uint32 words");
   if (stochastic != 0 && stochastic != 1) return invalid(op, "stochastic must be 0 or 1");
   const int64_t n = x.element_count();
@@ -267,9 +277,10 @@ ffi::Error NaturalEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer
   return ffi::Error::Success();
 }
 
-ffi::Error NaturalDecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
+ffi::Error NaturalDecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
                              ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
   const char* op = "jaxcomp_natural_decode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
   if (!valid_bucket(bucket)) return invalid(op, "bucket_size must be a power of two in [8, 65536]");

@@ -1,12 +1,14 @@
-// What every CPU FFI handler file shares: the thread-pool loop, the denormal
-// mode XLA's CPU runtime uses, buffer checks, and the registry through which
-// each file hands its handlers to the nanobind module in cpu_ops.cc (registry.h).
+// What every CPU FFI handler file shares: the runner the loops are split over
+// (an XLA-free interface; the handlers adapt XLA's thread pool to it), the
+// denormal mode XLA's CPU runtime uses, buffer checks, and the registry
+// through which each file hands its handlers to the nanobind module.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -42,13 +44,26 @@ class FlushDenormals {
 #endif
 };
 
+// Where the CPU loops run their tasks. The kernels see only this interface,
+// never XLA's types; handlers pass a PoolRunner.
+class Runner {
+ public:
+  // Worker threads besides the calling one.
+  virtual int64_t threads() const = 0;
+  // Runs task on a worker, at some later time.
+  virtual void schedule(std::function<void()> task) = 0;
+
+ protected:
+  ~Runner() = default;
+};
+
 // Runs fn(i0, i1) over [0, n) in chunks, on the calling thread and on the
-// FFI thread pool. Chunks are claimed from a shared counter, so the caller
+// runner's workers. Chunks are claimed from a shared counter, so the caller
 // never waits on a task that has not started; late tasks find no work and
 // only touch the shared state they keep alive.
 template <typename F>
-inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t min_per_task, const F& fn) {
-  const int64_t threads = pool.num_threads();
+inline void parallel_for(Runner& runner, int64_t n, int64_t min_per_task, const F& fn) {
+  const int64_t threads = runner.threads();
   const int64_t by_size = min_per_task > 0 ? n / min_per_task : n;
   const int64_t tasks = std::min<int64_t>(threads + 1, by_size);
   if (tasks <= 1) {
@@ -78,8 +93,7 @@ inline void parallel_for(ffi::ThreadPool& pool, int64_t n, int64_t min_per_task,
     }
   };
   for (int64_t t = 0; t + 1 < tasks; ++t) {
-    auto task = run;
-    pool.Schedule(std::move(task));
+    runner.schedule(run);
   }
   run();
   std::unique_lock<std::mutex> lock(st->mu);
@@ -114,6 +128,17 @@ inline bool to_dtype(ffi::DataType t, DType* out) {
     default: return false;
   }
 }
+
+// XLA's FFI thread pool as a Runner: the handlers' side.
+class PoolRunner final : public Runner {
+ public:
+  explicit PoolRunner(ffi::ThreadPool& pool) : pool_(pool) {}
+  int64_t threads() const override { return pool_.num_threads(); }
+  void schedule(std::function<void()> task) override { pool_.Schedule(std::move(task)); }
+
+ private:
+  ffi::ThreadPool& pool_;
+};
 
 inline ffi::Error invalid(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string(op) + ": " + what);

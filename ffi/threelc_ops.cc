@@ -209,10 +209,11 @@ bool valid_sparsity(float s) { return s >= 1.0f && s < 2.0f; }
 // ---------------------------------------------------------------------------
 // Handlers
 // ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> stream,
+ffi::Error EncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> stream,
                       ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
                       ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
   const char* op = "jaxcomp_threelc_encode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(x.element_type(), &dt)) return invalid(op, "input must be float32, bfloat16 or float16");
   const int64_t n = x.element_count();
@@ -274,10 +275,11 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<
   return ffi::Error::Success();
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
+ffi::Error DecodeImpl(ffi::ThreadPool thread_pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
   const char* op = "jaxcomp_threelc_decode";
+  PoolRunner pool(thread_pool);
   DType dt;
   if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
   const int64_t n = out->element_count();

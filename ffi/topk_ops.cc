@@ -31,7 +31,7 @@ constexpr int64_t kChunk = int64_t{1} << 16;  // elements per counting chunk
 
 // Runs fn(g) for g in [0, groups), one call per group, across the pool.
 template <typename F>
-void for_each_group(ffi::ThreadPool& pool, int64_t groups, const F& fn) {
+void for_each_group(Runner& pool, int64_t groups, const F& fn) {
   parallel_for(pool, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) fn(g);
   });
@@ -63,7 +63,7 @@ int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
 // group into the output. The candidate list is as long as the threshold bin
 // (at most n, for an input of one repeated value).
 template <typename W, typename I>
-void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   if (k == n) {
     parallel_for(pool, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -74,7 +74,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
     return;
   }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, pool.threads() + 1);
   auto group_range = [&](int64_t g, int64_t* i0, int64_t* i1) {
     *i0 = std::min(n, (g * chunks / groups) * kChunk);
     *i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
@@ -225,7 +225,7 @@ inline uint32_t block_hits<uint16_t>(const uint16_t* x, uint32_t bound) {
 #endif
 
 template <typename W, typename I>
-void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   if (k == n || n < kSampleMin) return select_exact<W, I>(pool, x, n, k, idx, val);
   const int64_t m = kSampleBlocks * kSampleBlock;
   std::vector<uint32_t> sample(m);
@@ -239,7 +239,7 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   if (bound == 0) return select_exact<W, I>(pool, x, n, k, idx, val);  // mostly zeros
 
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, pool.threads() + 1);
   const int64_t limit = 2 * k + 65536;  // beyond this, select_exact is cheaper
   // Indices and values of the elements found, per group: the values are
   // copied while in cache (reading them back later would miss on every one).
@@ -333,7 +333,7 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
 // k of every bucket; the last bucket, of length L < k, emits its L elements
 // and then padding entries with local indices L .. k-1 and value 0.
 template <typename W, typename I>
-void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
+void select_buckets(Runner& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   const int64_t nb = num_buckets(n, bucket);
   parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     std::vector<uint32_t> keys(bucket), cand(bucket);
@@ -433,9 +433,10 @@ std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, 
   return "";
 }
 
-ffi::Error TopkEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
+ffi::Error TopkEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
                           ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_encode";
+  PoolRunner pool(thread_pool);
   int wbytes = 0;
   if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
   if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
@@ -460,9 +461,10 @@ ffi::Error TopkEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ff
   return ffi::Error::Success();
 }
 
-ffi::Error TopkDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+ffi::Error TopkDecodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
                           ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
+  PoolRunner pool(thread_pool);
   int wbytes = 0;
   if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
   if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
