@@ -21,8 +21,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "jaxcomp/codecs.h"
-#include "jaxcomp/ternary.h"
+#include "jaxcomp/int8.h"
+#include "jaxcomp/natural.h"
+#include "jaxcomp/onebit.h"
+#include "jaxcomp/qsgd.h"
+#include "jaxcomp/terngrad.h"
 
 namespace jaxcomp {
 namespace cuda {

@@ -1,5 +1,7 @@
 // TopK sparsification on the CPU (Renggli et al., "SparCML", SC19): the
-// selection rules of jaxcomp/topk.h, run without sorting the tensor.
+// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
+// sizes and checks are include/jaxcomp/topk.h's; here they run without
+// sorting the tensor. Twin: jaxcomp/ops/topk.py.
 //
 // Whole-tensor mode: a key bound from a sample, one pass collecting the
 // elements at or above it, and an exact selection among those
@@ -29,10 +31,10 @@ namespace {
 
 constexpr int64_t kChunk = int64_t{1} << 16;  // elements per counting chunk
 
-// Runs fn(g) for g in [0, groups), one call per group, across the pool.
+// Runs fn(g) for g in [0, groups), one call per group, across the runner.
 template <typename F>
-void for_each_group(Runner& pool, int64_t groups, const F& fn) {
-  parallel_for(pool, groups, 1, [&](int64_t g0, int64_t g1) {
+void for_each_group(Runner& runner, int64_t groups, const F& fn) {
+  parallel_for(runner, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) fn(g);
   });
 }
@@ -63,9 +65,9 @@ int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
 // group into the output. The candidate list is as long as the threshold bin
 // (at most n, for an input of one repeated value).
 template <typename W, typename I>
-void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+void select_exact(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   if (k == n) {
-    parallel_for(pool, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         idx[i] = static_cast<I>(i);
         val[i] = x[i];
@@ -74,7 +76,7 @@ void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
     return;
   }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, runner.threads() + 1);
   auto group_range = [&](int64_t g, int64_t* i0, int64_t* i1) {
     *i0 = std::min(n, (g * chunks / groups) * kChunk);
     *i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
@@ -82,7 +84,7 @@ void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
 
   // Pass 1: high bits.
   std::vector<std::vector<uint32_t>> hists(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     std::vector<uint32_t>& h = hists[g];
     h.assign(kTopkHiBins, 0);
     int64_t i0, i1;
@@ -107,7 +109,7 @@ void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
   std::vector<uint32_t> a_idx(above), cand(hist[bin]);
   std::vector<W> a_val(above);
   const uint32_t b32 = static_cast<uint32_t>(bin);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t i0, i1;
     group_range(g, &i0, &i1);
     int64_t pa = a_off[g], pc = c_off[g];
@@ -161,7 +163,7 @@ void select_exact(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
     }
   }
   // Merge, per group, the above list with the chosen candidates.
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t o = a_off[g] + ch_off[g];
     int64_t a = a_off[g], c = ch_off[g];
     const int64_t ae = a_off[g + 1], ce = ch_off[g + 1];
@@ -225,8 +227,8 @@ inline uint32_t block_hits<uint16_t>(const uint16_t* x, uint32_t bound) {
 #endif
 
 template <typename W, typename I>
-void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
-  if (k == n || n < kSampleMin) return select_exact<W, I>(pool, x, n, k, idx, val);
+void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+  if (k == n || n < kSampleMin) return select_exact<W, I>(runner, x, n, k, idx, val);
   const int64_t m = kSampleBlocks * kSampleBlock;
   std::vector<uint32_t> sample(m);
   const int64_t stride = n / kSampleBlocks;
@@ -236,16 +238,16 @@ void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
   const int64_t r = std::min<int64_t>(m - 1, static_cast<int64_t>(1.1 * expect + 4.0 * std::sqrt(expect) + 8.0));
   std::nth_element(sample.begin(), sample.begin() + r, sample.end(), std::greater<uint32_t>());
   const uint32_t bound = sample[r];
-  if (bound == 0) return select_exact<W, I>(pool, x, n, k, idx, val);  // mostly zeros
+  if (bound == 0) return select_exact<W, I>(runner, x, n, k, idx, val);  // mostly zeros
 
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, runner.threads() + 1);
   const int64_t limit = 2 * k + 65536;  // beyond this, select_exact is cheaper
   // Indices and values of the elements found, per group: the values are
   // copied while in cache (reading them back later would miss on every one).
   std::vector<std::vector<uint32_t>> found(groups);
   std::vector<std::vector<W>> found_val(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     const int64_t i0 = std::min(n, (g * chunks / groups) * kChunk);
     const int64_t i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
     std::vector<uint32_t>& f = found[g];
@@ -275,7 +277,7 @@ void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
   });
   int64_t total = 0;
   for (const auto& f : found) total += static_cast<int64_t>(f.size());
-  if (total < k || total > limit) return select_exact<W, I>(pool, x, n, k, idx, val);
+  if (total < k || total > limit) return select_exact<W, I>(runner, x, n, k, idx, val);
 
   // The k-th largest key among the found: a histogram of their high key
   // bits, then nth_element inside the bin that holds it.
@@ -298,7 +300,7 @@ void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
 
   // Emit per group, at offsets from per-group counts.
   std::vector<int64_t> gt(groups), eq(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t a = 0, e = 0;
     for (W v : found_val[g]) {
       const uint32_t key = topk_key(v);
@@ -316,7 +318,7 @@ void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
     pos += gt[g] + std::min(eq[g], std::max<int64_t>(0, need_eq - seen));
     seen += eq[g];
   }
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     const std::vector<uint32_t>& f = found[g];
     const std::vector<W>& fv = found_val[g];
     int64_t p = out0[g], e = eq0[g];
@@ -333,9 +335,9 @@ void select_whole(Runner& pool, const W* x, int64_t n, int64_t k, I* idx, W* val
 // k of every bucket; the last bucket, of length L < k, emits its L elements
 // and then padding entries with local indices L .. k-1 and value 0.
 template <typename W, typename I>
-void select_buckets(Runner& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
+void select_buckets(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   const int64_t nb = num_buckets(n, bucket);
-  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+  parallel_for(runner, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     std::vector<uint32_t> keys(bucket), cand(bucket);
     for (int64_t b = b0; b < b1; ++b) {
       const W* xb = x + b * bucket;
@@ -385,113 +387,72 @@ void select_buckets(Runner& pool, const W* x, int64_t n, int64_t k, int64_t buck
   });
 }
 
-bool word_size(ffi::DataType t, int* bytes) {
-  DType dt;
-  if (!to_dtype(t, &dt)) return false;
-  *bytes = dt == DType::kF32 ? 4 : 2;
-  return true;
-}
-
-int index_size(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::U8: return 1;
-    case ffi::DataType::U16: return 2;
-    case ffi::DataType::U32: return 4;
-    default: return 0;
-  }
-}
-
-// Runs fn(W{}, I{}) with the storage word and index types.
-template <typename F>
-void with_types(int wbytes, int ibytes, const F& fn) {
-  auto by_index = [&](auto w) {
-    switch (ibytes) {
-      case 1: return fn(w, uint8_t{});
-      case 2: return fn(w, uint16_t{});
-      default: return fn(w, uint32_t{});
-    }
-  };
-  if (wbytes == 4) return by_index(uint32_t{});
-  return by_index(uint16_t{});
-}
-
-// Shared checks of encode and decode; returns an error string or "".
-std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, int ibytes) {
-  if (n >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
-  if (ibytes == 0) return "indices must be uint8, uint16 or uint32";
+// The payload of x (n elements) into idx and val; n > 0.
+template <typename W, typename I>
+void encode(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   if (bucket == 0) {
-    if (n > 0 && (k < 1 || k > n)) return "k must be in [1, n]";
-    if (n == 0 && k != 0) return "k must be 0 for an empty input";
-    if (entries != k) return "index buffer must have k entries";
-    if (n > 0 && ibytes < 4 && n - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for n";
+    select_whole<W, I>(runner, x, n, k, idx, val);
   } else {
-    if (!valid_bucket(bucket)) return "bucket_size must be 0 or a power of two in [8, 65536]";
-    if (k < 1 || k > bucket) return "k must be in [1, bucket_size]";
-    if (entries != num_buckets(n, bucket) * k) return "index buffer must have k entries per bucket";
-    if (ibytes < 4 && bucket - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for the bucket";
+    select_buckets<W, I>(runner, x, n, k, bucket, idx, val);
   }
-  return "";
 }
 
-ffi::Error TopkEncodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
-                          ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
+// Zeros, then the entries' values at their global indices. Indices outside
+// [0, n) are padding (or, in a malformed payload, noise): skipped, as the
+// twin's scatter drops them.
+template <typename W, typename I>
+void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t n, int64_t k, int64_t bucket,
+            W* out) {
+  parallel_for(runner, n, kElementsPerTask * 4,
+               [&](int64_t i0, int64_t i1) { std::memset(out + i0, 0, (i1 - i0) * sizeof(W)); });
+  parallel_for(runner, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = topk_global_index(j, idx[j], k, bucket);
+      if (g < n) out[g] = val[j];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
+                      ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_encode";
-  PoolRunner pool(thread_pool);
-  int wbytes = 0;
-  if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
-  if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
-  const int ibytes = index_size(indices->element_type());
+  const DType dt = dtype_of(x.element_type());
+  const int ibytes = index_bytes(indices->element_type());
   const int64_t n = x.element_count();
-  std::string err = check_config(n, k, bucket, indices->element_count(), ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values->element_count() != indices->element_count()) return invalid(op, "values must match indices");
+  if (const char* e = topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
+                                        indices->element_count(), values->element_count()))
+    return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
+  PoolRunner runner(pool);
+  topk_with_types(dt, ibytes, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const W* xd = static_cast<const W*>(x.untyped_data());
-    I* id = static_cast<I*>(indices->untyped_data());
-    W* vd = static_cast<W*>(values->untyped_data());
-    if (bucket == 0) {
-      select_whole<W, I>(pool, xd, n, k, id, vd);
-    } else {
-      select_buckets<W, I>(pool, xd, n, k, bucket, id, vd);
-    }
+    encode<W, I>(runner, static_cast<const W*>(x.untyped_data()), n, k, bucket,
+                 static_cast<I*>(indices->untyped_data()), static_cast<W*>(values->untyped_data()));
   });
   return ffi::Error::Success();
 }
 
-ffi::Error TopkDecodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
-  PoolRunner pool(thread_pool);
-  int wbytes = 0;
-  if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
-  if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
-  const int ibytes = index_size(indices.element_type());
-  const int64_t n = out->element_count();
-  const int64_t entries = indices.element_count();
-  std::string err = check_config(n, k, bucket, entries, ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values.element_count() != entries) return invalid(op, "values must match indices");
+  const DType dt = dtype_of(out->element_type());
+  const int ibytes = index_bytes(indices.element_type());
+  const int64_t n = out->element_count(), entries = indices.element_count();
+  if (const char* e = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
+                                        values.element_count()))
+    return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  hint_huge_pages(out->untyped_data(), n * wbytes);
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
+  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  PoolRunner runner(pool);
+  topk_with_types(dt, ibytes, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
-    const I* id = static_cast<const I*>(indices.untyped_data());
-    const W* vd = static_cast<const W*>(values.untyped_data());
-    W* od = static_cast<W*>(out->untyped_data());
-    parallel_for(pool, n, kElementsPerTask * 4,
-                 [&](int64_t i0, int64_t i1) { std::memset(od + i0, 0, (i1 - i0) * sizeof(W)); });
-    // Indices outside [0, n) are padding (or, in a malformed payload, noise):
-    // skipped, as the twin's scatter drops them.
-    parallel_for(pool, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t g = topk_global_index(j, id[j], k, bucket);
-        if (g < n) od[g] = vd[j];
-      }
-    });
+    decode<W, I>(runner, static_cast<const I*>(indices.untyped_data()), static_cast<const W*>(values.untyped_data()),
+                 entries, n, k, bucket, static_cast<W*>(out->untyped_data()));
   });
   return ffi::Error::Success();
 }
@@ -499,21 +460,21 @@ ffi::Error TopkDecodeImpl(ffi::ThreadPool thread_pool, ffi::AnyBuffer indices, f
 }  // namespace
 }  // namespace jaxcomp
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::TopkEncodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()     // x: flat f32/bf16/f16
-                                  .Ret<xla::ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
-                                  .Ret<xla::ffi::AnyBuffer>()     // values: x's dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()     // x: flat f32/bf16/f16
+                                  .Ret<ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
+                                  .Ret<ffi::AnyBuffer>()     // values: x's dtype
                                   .Attr<int64_t>("k")             // total (bucket 0) or per bucket
                                   .Attr<int64_t>("bucket_size"));  // 0: whole tensor
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::TopkDecodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()     // indices
-                                  .Arg<xla::ffi::AnyBuffer>()     // values
-                                  .Ret<xla::ffi::AnyBuffer>()     // flat output, values' dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()     // indices
+                                  .Arg<ffi::AnyBuffer>()     // values
+                                  .Ret<ffi::AnyBuffer>()     // flat output, values' dtype
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 

@@ -1,0 +1,157 @@
+// CPU loop pieces that several bucketed families share (QSGD, Int8, OneBit,
+// TernGrad, Natural): loading and storing a bucket as float32, max|v|, the
+// halving-tree sum of common.h, bit packing of a bucket, the RNG key mixed
+// once, and the AVX2 building blocks of the hand-written paths. Free of XLA
+// types; inlined into the loops that use them (cpu_runtime.h: JC_CPU_LOOP).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_runtime.h"
+#include "jaxcomp/common.h"
+
+#if JC_CPU_AVX2
+#include <immintrin.h>
+#endif
+
+namespace jaxcomp {
+namespace cpu {
+
+template <typename T>
+inline void load_bucket(const void* x, int64_t start, int64_t valid, int B, float* buf) {
+  const T* src = static_cast<const T*>(x) + start;
+  for (int64_t i = 0; i < valid; ++i) buf[i] = to_f32(src[i]);
+  for (int64_t i = valid; i < B; ++i) buf[i] = 0.0f;
+}
+
+inline void load_any(DType t, const void* x, int64_t start, int64_t valid, int B, float* buf) {
+  switch (t) {
+    case DType::kBF16: return load_bucket<bf16_t>(x, start, valid, B, buf);
+    case DType::kF16: return load_bucket<f16_t>(x, start, valid, B, buf);
+    default: return load_bucket<float>(x, start, valid, B, buf);
+  }
+}
+
+template <typename T>
+inline void store_bucket(const float* buf, int64_t start, int64_t valid, void* out) {
+  T* dst = static_cast<T*>(out) + start;
+  for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(buf[i]);
+}
+
+inline void store_any(DType t, const float* buf, int64_t start, int64_t valid, void* out) {
+  switch (t) {
+    case DType::kBF16: return store_bucket<bf16_t>(buf, start, valid, out);
+    case DType::kF16: return store_bucket<f16_t>(buf, start, valid, out);
+    default: return store_bucket<float>(buf, start, valid, out);
+  }
+}
+
+inline float max_abs(const float* buf, int B) {
+  uint32_t m = 0;
+  for (int i = 0; i < B; ++i) m = std::max(m, abs_bits(buf[i]));
+  return bits_f32(m);
+}
+
+// The halving tree of common.h, in place over tmp[0..B). Same pairs, same
+// order; the levels are written in blocks of 8 lanes (one AVX2 add each) and
+// the last three levels by hand, which is what makes small buckets cheap.
+inline float tree_sum(float* tmp, int B) {
+  for (int w = B / 2; w >= 8; w /= 2)
+    for (int i = 0; i < w; i += 8)
+      for (int j = 0; j < 8; ++j) tmp[i + j] += tmp[i + w + j];
+  if (B >= 8)
+    for (int j = 0; j < 4; ++j) tmp[j] += tmp[j + 4];
+  tmp[0] += tmp[2];
+  tmp[1] += tmp[3];
+  tmp[0] += tmp[1];
+  return tmp[0];
+}
+
+// When BITS divides 8, byte k of the stream holds codes k*(8/BITS) .. +8/BITS-1,
+// which is pack8's layout written byte by byte (and vectorizes).
+template <int BITS>
+inline void pack_bucket(const uint8_t* codes, int B, uint8_t* out) {
+  if (BITS == 8) {
+    std::memcpy(out, codes, B);
+  } else if (8 % BITS == 0) {
+    constexpr int per = 8 / (BITS == 3 ? 1 : BITS);
+    for (int k = 0; k < B / per; ++k) {
+      uint32_t byte = 0;
+      for (int j = 0; j < per; ++j) byte |= static_cast<uint32_t>(codes[per * k + j]) << (j * BITS);
+      out[k] = static_cast<uint8_t>(byte);
+    }
+  } else {
+    for (int g = 0; g < B / 8; ++g) pack8(codes + 8 * g, BITS, out + BITS * g);
+  }
+}
+
+template <int BITS>
+inline void unpack_bucket(const uint8_t* in, int B, uint8_t* codes) {
+  if (BITS == 8) {
+    std::memcpy(codes, in, B);
+  } else if (8 % BITS == 0) {
+    constexpr int per = 8 / (BITS == 3 ? 1 : BITS);
+    for (int k = 0; k < B / per; ++k)
+      for (int j = 0; j < per; ++j)
+        codes[per * k + j] = static_cast<uint8_t>((in[k] >> (j * BITS)) & ((1u << BITS) - 1u));
+  } else {
+    for (int g = 0; g < B / 8; ++g) {
+      uint32_t w = 0;
+      for (int b = 0; b < BITS; ++b) w |= static_cast<uint32_t>(in[BITS * g + b]) << (8 * b);
+      for (int j = 0; j < 8; ++j)
+        codes[8 * g + j] = static_cast<uint8_t>((w >> (j * BITS)) & ((1u << BITS) - 1u));
+    }
+  }
+}
+
+// rng_bits / rng_uniform of common.h with the key words mixed once, outside
+// the loops (the compiler does not always hoist them).
+struct RngKey {
+  uint32_t a, b;
+};
+inline RngKey rng_key(uint32_t k0, uint32_t k1) {
+  const uint32_t a = mix32(k0);
+  return RngKey{a, mix32(k1 ^ a)};
+}
+inline uint32_t rng_bits_k(RngKey k, uint32_t index) { return mix32((index + k.a) ^ k.b); }
+inline float rng_uniform_k(RngKey k, uint32_t index) {
+  return static_cast<float>(static_cast<int32_t>(rng_bits_k(k, index) >> 8)) * 5.9604644775390625e-08f;
+}
+
+#if JC_CPU_AVX2
+namespace avx2 {
+
+// Scratch of AVX2 vectors, 32-byte aligned as __m256 loads and stores need
+// (a std::vector<__m256> would drop the type's alignment, and its storage
+// would be only 16-byte aligned).
+class Scratch {
+ public:
+  explicit Scratch(int vectors) : floats_(8 * static_cast<size_t>(vectors) + 8) {}
+  __m256* data() {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(floats_.data());
+    return reinterpret_cast<__m256*>((p + 31) & ~uintptr_t{31});
+  }
+
+ private:
+  std::vector<float> floats_;
+};
+
+// The halving tree over nv vectors of 8 lanes (element i of the bucket is
+// lane i % 8 of vector i / 8): vector levels first, then the lanes.
+JC_AVX2 inline float tree_sum(__m256* v, int nv) {
+  for (int w = nv / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] = _mm256_add_ps(v[i], v[i + w]);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v[0]), _mm256_extractf128_ps(v[0], 1));  // j += j+4
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                              // j += j+2
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                               // 0 += 1
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace avx2
+#endif
+
+}  // namespace cpu
+}  // namespace jaxcomp
