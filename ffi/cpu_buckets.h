@@ -129,14 +129,14 @@ namespace avx2 {
 // would be only 16-byte aligned).
 class Scratch {
  public:
-  explicit Scratch(int vectors) : floats_(8 * static_cast<size_t>(vectors) + 8) {}
-  __m256* data() {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(floats_.data());
-    return reinterpret_cast<__m256*>((p + 31) & ~uintptr_t{31});
-  }
+  explicit Scratch(int vectors)
+      : floats_(8 * static_cast<size_t>(vectors) + 8),
+        data_(reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(floats_.data()) + 31) & ~uintptr_t{31})) {}
+  __m256* data() const { return data_; }
 
  private:
   std::vector<float> floats_;
+  __m256* data_;
 };
 
 // The halving tree over nv vectors of 8 lanes (element i of the bucket is

@@ -46,6 +46,8 @@ struct DecodeArgs {
 };
 
 #if JC_CPU_AVX2
+// The bucket routines stay out of line, like OneBit's (ffi/onebit.cc): inlined
+// into the flattened loop they raise its register pressure.
 namespace avx2 {
 
 JC_AVX2 inline __m256i mix32(__m256i x) {
@@ -88,8 +90,8 @@ JC_AVX2 inline uint64_t or_lanes(__m256i v) {
 
 // Encode of one full float32 bucket (qsgd_code of qsgd.h per lane).
 template <int BITS>
-JC_AVX2 void encode_bucket(const float* x, int B, bool l2, uint32_t a, uint32_t b, uint32_t base, uint8_t* out,
-                           float* scale_out, __m256* scratch) {
+JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, bool l2, uint32_t a, uint32_t b,
+                                                    uint32_t base, uint8_t* out, float* scale_out, __m256* scratch) {
   const int s = (1 << (BITS - 1)) - 1;
   float scale;
   if (l2) {
@@ -144,7 +146,7 @@ JC_AVX2 void encode_bucket(const float* x, int B, bool l2, uint32_t a, uint32_t 
 // Decode of one full bucket into float32 (qsgd_value of qsgd.h per lane):
 // the group's word is broadcast, each lane shifts out its own code.
 template <int BITS>
-JC_AVX2 void decode_bucket(const uint8_t* in, float scale, int B, float* out) {
+JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* in, float scale, int B, float* out) {
   const int s = (1 << (BITS - 1)) - 1;
   const __m256 step = _mm256_set1_ps(qsgd_step(scale, s));
   const __m256i level_mask = _mm256_set1_epi32(s);
