@@ -1,6 +1,7 @@
 // TopK sparsification on the GPU (Renggli et al., "SparCML", SC19): the
-// selection rules of ffi/include/jaxcomp/topk.h, giving the CPU handlers'
-// bytes (ffi/topk_ops.cc).
+// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
+// sizes and checks of ffi/include/jaxcomp/topk.h, giving the CPU handlers'
+// bytes (ffi/topk.cc).
 //
 // Whole-tensor mode: a radix select of the k-th largest key T, 8 bits per
 // round (4 rounds for float32 keys, 2 for 16-bit ones), each round a
@@ -20,7 +21,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "cuda_runtime.cuh"
 #include "jaxcomp/topk.h"
@@ -289,53 +289,8 @@ __global__ void scatter_kernel(const I* __restrict__ idx, const W* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------
-// Handlers: validation word for word as in ffi/topk_ops.cc.
+// Handlers
 // ---------------------------------------------------------------------------
-bool word_size(ffi::DataType t, int* bytes) {
-  if (!is_float(t)) return false;
-  *bytes = t == ffi::DataType::F32 ? 4 : 2;
-  return true;
-}
-
-int index_size(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::U8: return 1;
-    case ffi::DataType::U16: return 2;
-    case ffi::DataType::U32: return 4;
-    default: return 0;
-  }
-}
-
-template <typename F>
-void with_types(int wbytes, int ibytes, const F& fn) {
-  auto by_index = [&](auto w) {
-    switch (ibytes) {
-      case 1: return fn(w, uint8_t{});
-      case 2: return fn(w, uint16_t{});
-      default: return fn(w, uint32_t{});
-    }
-  };
-  if (wbytes == 4) return by_index(uint32_t{});
-  return by_index(uint16_t{});
-}
-
-std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, int ibytes) {
-  if (n >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
-  if (ibytes == 0) return "indices must be uint8, uint16 or uint32";
-  if (bucket == 0) {
-    if (n > 0 && (k < 1 || k > n)) return "k must be in [1, n]";
-    if (n == 0 && k != 0) return "k must be 0 for an empty input";
-    if (entries != k) return "index buffer must have k entries";
-    if (n > 0 && ibytes < 4 && n - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for n";
-  } else {
-    if (!valid_bucket(bucket)) return "bucket_size must be 0 or a power of two in [8, 65536]";
-    if (k < 1 || k > bucket) return "k must be in [1, bucket_size]";
-    if (entries != num_buckets(n, bucket) * k) return "index buffer must have k entries per bucket";
-    if (ibytes < 4 && bucket - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for the bucket";
-  }
-  return "";
-}
-
 unsigned grid_for(int64_t items) {
   constexpr int64_t kMaxBlocks = 4096;
   const int64_t blocks = (items + kTopkThreads - 1) / kTopkThreads;
@@ -368,21 +323,19 @@ ffi::Error encode_whole(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   return launched(op);
 }
 
-ffi::Error TopkEncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                          ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
-                          int64_t bucket) {
+ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
+                      int64_t bucket) {
   const char* op = "jaxcomp_topk_encode";
-  int wbytes = 0;
-  if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
-  if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
-  const int ibytes = index_size(indices->element_type());
+  const DType dt = dtype_of(x.element_type());
+  const int ibytes = index_bytes(indices->element_type());
   const int64_t n = x.element_count();
-  std::string err = check_config(n, k, bucket, indices->element_count(), ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values->element_count() != indices->element_count()) return invalid(op, "values must match indices");
+  if (const char* e = topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
+                                        indices->element_count(), values->element_count()))
+    return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
   ffi::Error result = ffi::Error::Success();
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
+  topk_with_types(dt, ibytes, [&](auto w, auto i) {
     using W = decltype(w);
     using I = decltype(i);
     const W* xd = static_cast<const W*>(x.untyped_data());
@@ -399,22 +352,19 @@ ffi::Error TopkEncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ff
   return result;
 }
 
-ffi::Error TopkDecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
-  int wbytes = 0;
-  if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
-  if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
-  const int ibytes = index_size(indices.element_type());
-  const int64_t n = out->element_count();
-  const int64_t entries = indices.element_count();
-  std::string err = check_config(n, k, bucket, entries, ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values.element_count() != entries) return invalid(op, "values must match indices");
+  const DType dt = dtype_of(out->element_type());
+  const int ibytes = index_bytes(indices.element_type());
+  const int64_t n = out->element_count(), entries = indices.element_count();
+  if (const char* e = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
+                                        values.element_count()))
+    return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  cudaMemsetAsync(out->untyped_data(), 0, static_cast<size_t>(n) * wbytes, stream);
+  cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
   if (entries > 0) {
-    with_types(wbytes, ibytes, [&](auto w, auto i) {
+    topk_with_types(dt, ibytes, [&](auto w, auto i) {
       using W = decltype(w);
       using I = decltype(i);
       scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
@@ -429,22 +379,22 @@ ffi::Error TopkDecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyB
 }  // namespace cuda
 }  // namespace jaxcomp
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::TopkEncodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()  // radix-select state, tile counts
-                                  .Arg<xla::ffi::AnyBuffer>()         // x: flat f32/bf16/f16
-                                  .Ret<xla::ffi::AnyBuffer>()         // indices: u8/u16/u32, ascending
-                                  .Ret<xla::ffi::AnyBuffer>()         // values: x's dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()  // radix-select state, tile counts
+                                  .Arg<ffi::AnyBuffer>()         // x: flat f32/bf16/f16
+                                  .Ret<ffi::AnyBuffer>()         // indices: u8/u16/u32, ascending
+                                  .Ret<ffi::AnyBuffer>()         // values: x's dtype
                                   .Attr<int64_t>("k")                 // total (bucket 0) or per bucket
                                   .Attr<int64_t>("bucket_size"));      // 0: whole tensor
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::TopkDecodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // indices
-                                  .Arg<xla::ffi::AnyBuffer>()  // values
-                                  .Ret<xla::ffi::AnyBuffer>()  // flat output, values' dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // values
+                                  .Ret<ffi::AnyBuffer>()  // flat output, values' dtype
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 
