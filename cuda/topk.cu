@@ -78,16 +78,9 @@ __global__ void radix_hist_kernel(const W* __restrict__ x, int64_t n, SelectStat
 
 // One thread: the digit of this round, scanning from the top.
 __global__ void radix_pick_kernel(SelectState* st, int shift) {
-  unsigned long long cum = 0;
-  int d = 0;
-  for (int b = 255; b >= 0; --b) {
-    if (cum + st->hist[b] >= st->remaining) {
-      d = b;
-      break;
-    }
-    cum += st->hist[b];
-  }
-  st->remaining -= cum;
+  unsigned long long above = 0;
+  const int d = topk_find_bin(st->hist, 256, st->remaining, &above);
+  st->remaining -= above;
   st->prefix |= static_cast<uint32_t>(d) << shift;
   st->mask |= 255u << shift;
   for (int b = 0; b < 256; ++b) st->hist[b] = 0;
@@ -148,8 +141,7 @@ __global__ void tile_scan_kernel(const uint32_t* __restrict__ gt, const uint32_t
   unsigned long long seen = part[threadIdx.x], sel = 0;
   for (int64_t t = t0; t < t1; ++t) {
     eq0[t] = seen;
-    const unsigned long long left = need_eq > seen ? need_eq - seen : 0;
-    sel += gt[t] + (eq[t] < left ? eq[t] : left);
+    sel += topk_part_emits(gt[t], eq[t], need_eq, seen);
     seen += eq[t];
   }
   __syncthreads();
@@ -158,8 +150,7 @@ __global__ void tile_scan_kernel(const uint32_t* __restrict__ gt, const uint32_t
   unsigned long long pos = part[threadIdx.x];
   for (int64_t t = t0; t < t1; ++t) {
     out0[t] = pos;
-    const unsigned long long left = need_eq > eq0[t] ? need_eq - eq0[t] : 0;
-    pos += gt[t] + (eq[t] < left ? eq[t] : left);
+    pos += topk_part_emits(gt[t], eq[t], need_eq, eq0[t]);
   }
 }
 
@@ -197,7 +188,7 @@ __device__ void emit_range(const W* __restrict__ x, int64_t i0, int64_t i1, uint
     const bool is_eq = in && key == t;
     unsigned int eq_total = 0, sel_total = 0;
     const unsigned int eq_rank = block_prefix(is_eq, warp_sums, &eq_total);
-    const bool chosen = in && (key > t || (is_eq && eq_base + eq_rank < need_eq));
+    const bool chosen = in && topk_chosen(key, t, eq_base + eq_rank, need_eq);
     const unsigned int pos = block_prefix(chosen, warp_sums, &sel_total);
     if (chosen) {
       idx[out_base + pos] = static_cast<I>(i - index_base);
@@ -257,16 +248,9 @@ __global__ void bucket_select_kernel(const W* __restrict__ x, int64_t n, int64_t
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      unsigned int cum = 0;
-      int d = 0;
-      for (int q = 255; q >= 0; --q) {
-        if (cum + bins[q] >= s_remaining) {
-          d = q;
-          break;
-        }
-        cum += bins[q];
-      }
-      s_remaining -= cum;
+      unsigned int above = 0;
+      const int d = topk_find_bin(bins, 256, s_remaining, &above);
+      s_remaining -= above;
       s_prefix |= static_cast<uint32_t>(d) << shift;
       s_mask |= 255u << shift;
     }

@@ -39,21 +39,6 @@ void for_each_group(Runner& runner, int64_t groups, const F& fn) {
   });
 }
 
-// Largest bin b with #{key bins >= b} >= k, scanning from the top; *above
-// receives #{bins > b}.
-int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
-  int64_t cum = 0;
-  for (int64_t b = static_cast<int64_t>(hist.size()) - 1; b >= 0; --b) {
-    if (cum + hist[b] >= k) {
-      *above = cum;
-      return b;
-    }
-    cum += hist[b];
-  }
-  *above = cum;
-  return 0;
-}
-
 // Whole-tensor selection of k of n (0 < k <= n), in two reads of the input.
 //
 // Pass 1 histograms the high key bits per group of chunks; the bin holding
@@ -95,7 +80,7 @@ void select_exact(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
   for (const auto& h : hists)
     for (int b = 0; b < kTopkHiBins; ++b) hist[b] += h[b];
   int64_t above = 0;
-  const int64_t bin = find_bin(hist, k, &above);
+  const int64_t bin = topk_find_bin(hist.data(), kTopkHiBins, k, &above);
   const int64_t need_bin = k - above;
 
   // Pass 2: the above lists and the candidates, per group.
@@ -142,7 +127,7 @@ void select_exact(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
     std::vector<int64_t> lo(kTopkLoBins, 0);
     for (uint32_t i : cand) ++lo[lo_of(i)];
     int64_t above_lo = 0;
-    t_lo = find_bin(lo, need_bin, &above_lo);
+    t_lo = topk_find_bin(lo.data(), kTopkLoBins, need_bin, &above_lo);
     need_eq = need_bin - above_lo;
   } else if (sizeof(W) == 4) {
     t_lo = -1;  // the whole bin is taken
@@ -285,7 +270,7 @@ void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
   for (const auto& fv : found_val)
     for (W v : fv) ++hist[topk_hi<W>(topk_key(v))];
   int64_t above_bin = 0;
-  const int64_t bin = find_bin(hist, k, &above_bin);
+  const int64_t bin = topk_find_bin(hist.data(), kTopkHiBins, k, &above_bin);
   std::vector<uint32_t> in_bin;
   in_bin.reserve(hist[bin]);
   for (const auto& fv : found_val)
@@ -315,7 +300,7 @@ void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
   for (int64_t g = 0; g < groups; ++g) {
     out0[g] = pos;
     eq0[g] = seen;
-    pos += gt[g] + std::min(eq[g], std::max<int64_t>(0, need_eq - seen));
+    pos += static_cast<int64_t>(topk_part_emits(gt[g], eq[g], need_eq, seen));
     seen += eq[g];
   }
   for_each_group(runner, groups, [&](int64_t g) {
@@ -324,8 +309,9 @@ void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
     int64_t p = out0[g], e = eq0[g];
     for (size_t j = 0; j < f.size(); ++j) {
       const uint32_t key = topk_key(fv[j]);
-      if (key < t) continue;
-      if (key == t && e++ >= need_eq) continue;
+      const bool chosen = topk_chosen(key, t, e, need_eq);
+      e += key == t;
+      if (!chosen) continue;
       idx[p] = static_cast<I>(f[j]);
       val[p++] = fv[j];
     }
@@ -364,9 +350,9 @@ void select_buckets(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bu
         keys[i] = topk_key(xb[i]);
         ++hist[keys[i] >> kShift];
       }
-      int64_t above = 0;
-      int bin = 255;
-      for (; bin > 0 && above + hist[bin] < kb; --bin) above += hist[bin];
+      uint32_t above_bin = 0;
+      const int bin = topk_find_bin<uint32_t>(hist, 256, static_cast<uint32_t>(kb), &above_bin);
+      int64_t above = above_bin;
       int64_t m = 0;
       for (int64_t i = 0; i < len; ++i)
         if ((keys[i] >> kShift) == static_cast<uint32_t>(bin)) cand[m++] = keys[i];
@@ -374,11 +360,13 @@ void select_buckets(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bu
       std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + m, std::greater<uint32_t>());
       const uint32_t t = cand[r];
       for (int64_t j = 0; j < m; ++j) above += cand[j] > t;
-      int64_t need_eq = kb - above, p = 0;
+      const int64_t need_eq = kb - above;
+      int64_t p = 0, ties = 0;
       for (int64_t i = 0; i < len && p < kb; ++i) {
         const uint32_t key = keys[i];
-        if (key < t) continue;
-        if (key == t && need_eq-- <= 0) continue;
+        const bool chosen = topk_chosen(key, t, ties, need_eq);
+        ties += key == t;
+        if (!chosen) continue;
         ib[p] = static_cast<I>(i);
         vb[p] = xb[i];
         ++p;

@@ -47,6 +47,39 @@ JC_HD int64_t topk_global_index(int64_t j, uint32_t stored, int64_t k, int64_t b
   return bucket == 0 ? static_cast<int64_t>(stored) : (j / k) * bucket + static_cast<int64_t>(stored);
 }
 
+// The bin of a histogram (counts per key bin, bins in key order) that holds
+// the k-th largest key, 1 <= k <= the total: the largest b with
+// #{keys in bins >= b} >= k. *above receives #{keys in bins > b}. Radix
+// selects run it once per digit, narrowing the rank k to k - *above.
+template <typename C>
+JC_HD int topk_find_bin(const C* hist, int bins, C k, C* above) {
+  C cum = 0;
+  for (int b = bins - 1; b >= 0; --b) {
+    if (cum + hist[b] >= k) {
+      *above = cum;
+      return b;
+    }
+    cum += hist[b];
+  }
+  *above = cum;
+  return 0;
+}
+
+// Emission of the k largest of a range, given T and need_eq = k - #{key > T}:
+// an element is chosen when its key is above T, or equal to T with fewer
+// than need_eq ties before it (in index order, across the whole range).
+JC_HD bool topk_chosen(uint32_t key, uint32_t t, uint64_t ties_before, uint64_t need_eq) {
+  return key > t || (key == t && ties_before < need_eq);
+}
+
+// How many elements a part of the range (a group of chunks, a CUDA tile)
+// emits, given its `gt` keys above T and `eq` keys equal to T, and the ties
+// in the parts before it: its output offset is the sum over those parts.
+JC_HD uint64_t topk_part_emits(uint64_t gt, uint64_t eq, uint64_t need_eq, uint64_t ties_before) {
+  const uint64_t left = need_eq > ties_before ? need_eq - ties_before : 0;
+  return gt + (eq < left ? eq : left);
+}
+
 // ---------------------------------------------------------------------------
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
