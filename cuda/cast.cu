@@ -18,34 +18,25 @@ namespace {
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, bool vec) {
-  const int64_t groups = (n + 7) / 8;
-  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; gi < groups;
-       gi += static_cast<int64_t>(gridDim.x) * kThreads) {
-    float v[8];
-    load8(x, 8 * gi, n, vec, v);
-    store8(y, 8 * gi, n, vec, v);
-  }
+  store_groups(y, n, vec, [&](int64_t gi, float* v) { load8(x, 8 * gi, n, vec, v); });
 }
 
 // ---------------------------------------------------------------------------
 // Handler
 // ---------------------------------------------------------------------------
 ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  const char* op = "jaxcomp_cast";
+  const Batch b(x, *y);
   const DType from = dtype_of(x.element_type()), to = dtype_of(y->element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = cast_check(from, to, n, y->element_count())) return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const bool vec = aligned16(x.untyped_data()) && aligned16(y->untyped_data());
-  with_type(from, [&](auto in_tag) {
-    with_type(to, [&](auto out_tag) {
-      using In = decltype(in_tag);
-      using Out = decltype(out_tag);
-      cast_kernel<In, Out><<<flat_blocks(n), kThreads, 0, stream>>>(
-          static_cast<const In*>(x.untyped_data()), static_cast<Out*>(y->untyped_data()), n, vec);
+  const int64_t n = b.count(0);
+  return launch_batch("jaxcomp_cast", b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i) {
+    with_type(from, [&](auto in_tag) {
+      with_type(to, [&](auto out_tag) {
+        const auto* xd = b.at<const decltype(in_tag)>(0, i);
+        auto* yd = b.at<decltype(out_tag)>(1, i);
+        cast_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(xd, yd, n, aligned16(xd) && aligned16(yd));
+      });
     });
   });
-  return launched(op);
 }
 
 }  // namespace

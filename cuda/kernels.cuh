@@ -16,7 +16,8 @@
 //   2. the codes: each thread encodes groups of 8 consecutive values (the unit
 //      of pack8) and writes their packed bytes. For B <= 2048 that is exactly
 //      one group per thread.
-// The decode and cast kernels are flat grid-stride loops over groups of 8.
+// The decode and cast kernels are flat grid-stride loops over groups of 8
+// (store_groups).
 #pragma once
 
 #include <cstdint>
@@ -124,6 +125,29 @@ __device__ __forceinline__ void load_bytes8(const uint8_t* __restrict__ in, bool
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) c[j] = in[j];
+}
+
+// ---------------------------------------------------------------------------
+// Grid-stride loops.
+// ---------------------------------------------------------------------------
+// fn(i) for every i in [0, count), spread over the grid of kThreads-thread
+// blocks.
+template <typename F>
+__device__ __forceinline__ void grid_stride(int64_t count, F fn) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    fn(i);
+}
+
+// The loop of the decode and cast kernels: value(gi, v) writes the 8 values
+// of group gi (elements 8gi .. 8gi+7) of the output into v, which are stored.
+template <typename T, typename F>
+__device__ __forceinline__ void store_groups(T* __restrict__ out, int64_t n, bool vec, F value) {
+  grid_stride((n + 7) / 8, [&](int64_t gi) {
+    float v[8];
+    value(gi, v);
+    store8(out, 8 * gi, n, vec, v);
+  });
 }
 
 // ---------------------------------------------------------------------------

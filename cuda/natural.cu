@@ -46,51 +46,41 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     natural_decode_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ tops, T* __restrict__ out,
                           int64_t n, int bucket_shift) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * kThreads) {
-    out[e] = from_f32<T>(natural_value(codes[e], tops[e >> bucket_shift]));
-  }
+  grid_stride(n, [&](int64_t e) { out[e] = from_f32<T>(natural_value(codes[e], tops[e >> bucket_shift])); });
+}
+
+void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int64_t bucket,
+            void* out) {
+  with_type(dt, [&](auto tag) {
+    natural_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(codes, tops, static_cast<decltype(tag)*>(out), n,
+                                                                   log2_int(bucket));
+  });
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: decode is the pair families' (cuda_runtime.cuh)
 // ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::U8>;
+constexpr char kDecode[] = "jaxcomp_natural_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, decode>));
+
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
                       int64_t stochastic) {
-  const char* op = "jaxcomp_natural_encode";
+  const Batch b(x, seed, *codes, *tops);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = natural_check_encode(dt, n, seed.element_count(), codes->element_count(),
-                                           tops->element_count(), bucket, stochastic))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = stochastic != 0 ? natural_encode_kernel<T, true> : natural_encode_kernel<T, false>;
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(static_cast<const T*>(x.untyped_data()), n, nb, g,
-                                                          seed.typed_data(), codes->typed_data(),
-                                                          tops->typed_data());
+  const int64_t n = b.count(0);
+  const char* error = natural_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, stochastic);
+  return launch_batch("jaxcomp_natural_encode", b, error, n, [&](int64_t i) {
+    const int64_t nb = num_buckets(n, bucket);
+    const Geometry g = geometry(bucket);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      auto kernel = stochastic != 0 ? natural_encode_kernel<T, true> : natural_encode_kernel<T, false>;
+      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(b.at<const T>(0, i), n, nb, g, b.at<const uint32_t>(1, i),
+                                                            b.at<uint8_t>(2, i), b.at<uint8_t>(3, i));
+    });
   });
-  return launched(op);
-}
-
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_natural_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = natural_check_decode(dt, n, codes.element_count(), tops.element_count(), bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    natural_decode_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(
-        codes.typed_data(), tops.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket));
-  });
-  return launched(op);
 }
 
 }  // namespace
@@ -107,12 +97,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalEncode, jaxcomp::cuda::EncodeImp
                                   .Attr<int64_t>("bucket_size")   // power of two
                                   .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
 JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompCudaNaturalEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_natural_decode", JaxcompCudaNaturalDecode);

@@ -60,81 +60,46 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The bits are written one byte per thread, so only the input needs the
+// alignment check.
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int64_t bucket, uint8_t* bits, float* means) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    const auto* xd = static_cast<const decltype(tag)*>(x);
+    onebit_encode_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, bits, means, aligned16(xd));
+  });
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     onebit_decode_kernel(const uint8_t* __restrict__ bits, const float* __restrict__ means, T* __restrict__ out,
                          int64_t n, int group_shift, bool vec) {
-  const int64_t groups = (n + 7) / 8;
-  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; gi < groups;
-       gi += static_cast<int64_t>(gridDim.x) * kThreads) {
+  store_groups(out, n, vec, [&](int64_t gi, float* v) {
     const int64_t b = gi >> group_shift;
     const float hi = means[2 * b], lo = means[2 * b + 1];
-    float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) v[j] = unpack_code(bits + gi, 1, j) ? hi : lo;
-    store8(out, 8 * gi, n, vec, v);
-  }
+  });
+}
+
+void decode(cudaStream_t stream, DType dt, const uint8_t* bits, const float* means, int64_t n, int64_t bucket,
+            void* out) {
+  with_type(dt, [&](auto tag) {
+    auto* o = static_cast<decltype(tag)*>(out);
+    onebit_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(bits, means, o, n, log2_int(bucket / 8), aligned16(o));
+  });
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: the pair families' (cuda_runtime.cuh), the bits being the codes
 // ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
-                      ffi::ResultBuffer<ffi::F32> means, int64_t bucket) {
-  const char* op = "jaxcomp_onebit_encode";
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = onebit_check_encode(dt, n, bits->element_count(), means->element_count(), bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  // The bits are written one byte per thread, so only the input needs the
-  // alignment check.
-  const bool vec = aligned16(x.untyped_data());
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    onebit_encode_kernel<T><<<encode_blocks(nb, g), kThreads, 0, stream>>>(
-        static_cast<const T*>(x.untyped_data()), n, nb, g, bits->typed_data(), means->typed_data(), vec);
-  });
-  return launched(op);
-}
-
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_onebit_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = onebit_check_decode(dt, n, bits.element_count(), means.element_count(), bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const bool vec = aligned16(out->untyped_data());
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    onebit_decode_kernel<T><<<flat_blocks(n), kThreads, 0, stream>>>(
-        bits.typed_data(), means.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket / 8), vec);
-  });
-  return launched(op);
-}
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kEncode[] = "jaxcomp_onebit_encode";
+constexpr char kDecode[] = "jaxcomp_onebit_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, encode>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, decode>));
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaOnebitEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // sign bits, packed
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_onebit_encode", JaxcompCudaOnebitEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaOnebitDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // sign bits
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_onebit_decode", JaxcompCudaOnebitDecode);

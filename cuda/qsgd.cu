@@ -65,11 +65,8 @@ __global__ void __launch_bounds__(kThreads)
     qsgd_decode_kernel(const uint8_t* __restrict__ packed, const float* __restrict__ scales, T* __restrict__ out,
                        int64_t n, int group_shift, int bits, bool vec) {
   const int s = (1 << (bits - 1)) - 1;
-  const int64_t groups = (n + 7) / 8;
-  for (int64_t gi = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; gi < groups;
-       gi += static_cast<int64_t>(gridDim.x) * kThreads) {
+  store_groups(out, n, vec, [&](int64_t gi, float* v) {
     const float step = qsgd_step(scales[gi >> group_shift], s);
-    float v[8];
     if (bits == 8) {
       uint8_t c[8];
       load_bytes8(packed + 8 * gi, vec, c);
@@ -80,8 +77,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 8; ++j) v[j] = qsgd_value(unpack_code(group, bits, j), step, bits);
     }
-    store8(out, 8 * gi, n, vec, v);
-  }
+  });
 }
 
 // ---------------------------------------------------------------------------
@@ -90,44 +86,39 @@ __global__ void __launch_bounds__(kThreads)
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
                       int64_t bucket, int64_t l2) {
-  const char* op = "jaxcomp_qsgd_encode";
+  const Batch b(x, seed, *packed, *scales);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = qsgd_check_encode(dt, n, seed.element_count(), packed->element_count(),
-                                        scales->element_count(), bits, bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  uint8_t* p = packed->typed_data();
-  const bool vec = aligned16(x.untyped_data()) && aligned16(p);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits), seed.typed_data(),
-                                                          p, scales->typed_data(), vec);
+  const int64_t n = b.count(0);
+  const char* error = qsgd_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bits, bucket);
+  return launch_batch("jaxcomp_qsgd_encode", b, error, n, [&](int64_t i) {
+    const int64_t nb = num_buckets(n, bucket);
+    const Geometry g = geometry(bucket);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
+      const T* xd = b.at<const T>(0, i);
+      uint8_t* p = b.at<uint8_t>(2, i);
+      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits),
+                                                            b.at<const uint32_t>(1, i), p, b.at<float>(3, i),
+                                                            aligned16(xd) && aligned16(p));
+    });
   });
-  return launched(op);
 }
 
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
                       ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
-  const char* op = "jaxcomp_qsgd_decode";
+  const Batch b(packed, scales, *out);
   const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = qsgd_check_decode(dt, n, packed.element_count(), scales.element_count(), bits, bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const uint8_t* p = packed.typed_data();
-  const bool vec = aligned16(p) && aligned16(out->untyped_data());
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    qsgd_decode_kernel<T><<<flat_blocks(n), kThreads, 0, stream>>>(
-        p, scales.typed_data(), static_cast<T*>(out->untyped_data()), n, log2_int(bucket / 8),
-        static_cast<int>(bits), vec);
+  const int64_t n = b.count(2);
+  const char* error = qsgd_check_decode(dt, n, b.count(0), b.count(1), bits, bucket);
+  return launch_batch("jaxcomp_qsgd_decode", b, error, n, [&](int64_t i) {
+    with_type(dt, [&](auto tag) {
+      const uint8_t* p = b.at<const uint8_t>(0, i);
+      auto* o = b.at<decltype(tag)>(2, i);
+      qsgd_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(p, b.at<const float>(1, i), o, n, log2_int(bucket / 8),
+                                                                  static_cast<int>(bits), aligned16(p) && aligned16(o));
+    });
   });
-  return launched(op);
 }
 
 }  // namespace

@@ -37,8 +37,7 @@ __global__ void __launch_bounds__(kThreads)
                          const float* __restrict__ scales, const uint32_t* __restrict__ seed,
                          uint8_t* __restrict__ trits) {
   const uint32_t k0 = seed[0], k1 = seed[1];
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < m;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+  grid_stride(m, [&](int64_t i) {
     uint32_t d[5];
 #pragma unroll
     for (int j = 0; j < 5; ++j) {
@@ -50,62 +49,52 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
     trits[i] = base3_pack(d[0], d[1], d[2], d[3], d[4]);
-  }
+  });
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     terngrad_decode_kernel(const uint8_t* __restrict__ trits, const float* __restrict__ scales, T* __restrict__ out,
                            int64_t n, int64_t m, int bucket_shift) {
-  for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < n;
-       e += static_cast<int64_t>(gridDim.x) * kThreads) {
+  grid_stride(n, [&](int64_t e) {
     const int plane = static_cast<int>(e / m);
     const uint32_t digit = base3_digit(trits[e - plane * m], plane);
     out[e] = from_f32<T>(terngrad_value(digit, scales[e >> bucket_shift]));
-  }
+  });
+}
+
+void decode(cudaStream_t stream, DType dt, const uint8_t* trits, const float* scales, int64_t n, int64_t bucket,
+            void* out) {
+  with_type(dt, [&](auto tag) {
+    terngrad_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(trits, scales, static_cast<decltype(tag)*>(out), n,
+                                                                    base3_bytes(n), log2_int(bucket));
+  });
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: decode is the pair families' (cuda_runtime.cuh)
 // ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kDecode[] = "jaxcomp_terngrad_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, terngrad_check_decode, decode>));
+
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
-  const char* op = "jaxcomp_terngrad_encode";
+  const Batch b(x, seed, *trits, *scales);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = terngrad_check_encode(dt, n, seed.element_count(), trits->element_count(),
-                                            scales->element_count(), bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const int64_t nb = num_buckets(n, bucket);
-  const int64_t m = base3_bytes(n);
-  const Geometry g = geometry(bucket);
-  float* s = scales->typed_data();
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    terngrad_scales_kernel<T><<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, s);
-    terngrad_pack_kernel<T><<<item_blocks(m), kThreads, 0, stream>>>(xd, n, m, log2_int(bucket), s,
-                                                                     seed.typed_data(), trits->typed_data());
+  const int64_t n = b.count(0);
+  const char* error = terngrad_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket);
+  return launch_batch("jaxcomp_terngrad_encode", b, error, n, [&](int64_t i) {
+    const int64_t nb = num_buckets(n, bucket);
+    const Geometry g = geometry(bucket);
+    float* s = b.at<float>(3, i);
+    with_type(dt, [&](auto tag) {
+      const auto* xd = b.at<const decltype(tag)>(0, i);
+      terngrad_scales_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, s);
+      terngrad_pack_kernel<<<item_blocks(base3_bytes(n)), kThreads, 0, stream>>>(
+          xd, n, base3_bytes(n), log2_int(bucket), s, b.at<const uint32_t>(1, i), b.at<uint8_t>(2, i));
+    });
   });
-  return launched(op);
-}
-
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_terngrad_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = terngrad_check_decode(dt, n, trits.element_count(), scales.element_count(), bucket))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  const int64_t m = base3_bytes(n);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    terngrad_decode_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(
-        trits.typed_data(), scales.typed_data(), static_cast<T*>(out->untyped_data()), n, m, log2_int(bucket));
-  });
-  return launched(op);
 }
 
 }  // namespace
@@ -121,12 +110,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTerngradEncode, jaxcomp::cuda::EncodeIm
                                   .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
                                   .Attr<int64_t>("bucket_size"));  // power of two
 JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompCudaTerngradEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTerngradDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
-                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_terngrad_decode", JaxcompCudaTerngradDecode);

@@ -310,33 +310,36 @@ ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<f
                       ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
                       ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
   const char* op = "jaxcomp_threelc_encode";
+  const Batch b(x, *out, *scale, *length, *overflow, *work);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count(), cap = out->element_count();
-  if (const char* e = threelc_check_encode(dt, n, sparsity_bits, cap, scale->element_count(), length->element_count(),
-                                           overflow->element_count(), work->element_count()))
+  const int64_t n = b.count(0), cap = b.count(1);
+  if (const char* e = b.check(
+          threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5))))
     return invalid(op, e);
   const float s = threelc_sparsity(sparsity_bits);
   const ThreelcSizes sz = threelc_sizes(n, cap);
   const int64_t M = sz.bytes;
-  const Work w = carve(work->typed_data(), sz);
-  uint8_t* o = out->typed_data();
-  cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
-  if (cap > 0) cudaMemsetAsync(o, 0, cap, stream);
   const int64_t mb = blocks_for(M);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    max_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(xd, n, w.ctrl);
-    pack_kernel<T><<<item_blocks(M), kThreads, 0, stream>>>(xd, n, M, s, w.ctrl, w.bytes, scale->typed_data());
-  });
-  if (M > 0) {
-    last_nz_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, mb, int64_t{-1}, MaxI64(), nullptr);
-    count_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.b, mb, int64_t{0}, PlusI64(), w.total);
-    write_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b, o, cap);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const Work w = carve(b.at<uint8_t>(5, i), sz);
+    uint8_t* o = b.at<uint8_t>(1, i);
+    cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
+    if (cap > 0) cudaMemsetAsync(o, 0, cap, stream);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      const T* xd = b.at<const T>(0, i);
+      max_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(xd, n, w.ctrl);
+      pack_kernel<T><<<item_blocks(M), kThreads, 0, stream>>>(xd, n, M, s, w.ctrl, w.bytes, b.at<float>(2, i));
+    });
+    if (M > 0) {
+      last_nz_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.a, mb, int64_t{-1}, MaxI64(), nullptr);
+      count_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.b, mb, int64_t{0}, PlusI64(), w.total);
+      write_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b, o, cap);
+    }
+    finish_encode_kernel<<<1, 1, 0, stream>>>(w.total, cap, b.at<int32_t>(3, i), b.at<uint8_t>(4, i));
   }
-  finish_encode_kernel<<<1, 1, 0, stream>>>(w.total, cap, length->typed_data(), overflow->typed_data());
   return launched(op);
 }
 
@@ -344,30 +347,31 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> in, ffi::Buffer<
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
   const char* op = "jaxcomp_threelc_decode";
+  const Batch b(in, scale, length, overflow, *out, *work);
   const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count(), cap = in.element_count();
-  if (const char* e = threelc_check_decode(dt, n, cap, scale.element_count(), length.element_count(),
-                                           overflow.element_count(), work->element_count()))
+  const int64_t n = b.count(4), cap = b.count(0);
+  if (const char* e = b.check(threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5))))
     return invalid(op, e);
   const ThreelcSizes sz = threelc_sizes(n, cap);
   const int64_t M = sz.bytes;
-  const Work w = carve(work->typed_data(), sz);
-  cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
   const int64_t sb = blocks_for(cap);
-  if (cap > 0) {
-    expand_count_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, sb, int64_t{0}, PlusI64(), w.total);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const Work w = carve(b.at<uint8_t>(5, i), sz);
+    const uint8_t* s = b.at<const uint8_t>(0, i);
+    const int32_t* len = b.at<const int32_t>(2, i);
+    cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
+    if (cap > 0) {
+      expand_count_kernel<<<grid(sb), kThreads, 0, stream>>>(s, len, cap, w.a, w.ctrl);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.a, sb, int64_t{0}, PlusI64(), w.total);
+    }
+    check_kernel<<<1, 1, 0, stream>>>(len, b.at<const uint8_t>(3, i), cap, M, w.total, w.ctrl);
+    if (cap > 0) expand_kernel<<<grid(sb), kThreads, 0, stream>>>(s, len, cap, w.a, w.ctrl, w.bytes, M);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      dequant_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(w.bytes, b.at<const float>(1, i), w.ctrl,
+                                                                 b.at<T>(4, i), n, M);
+    });
   }
-  check_kernel<<<1, 1, 0, stream>>>(length.typed_data(), overflow.typed_data(), cap, M, w.total, w.ctrl);
-  if (cap > 0) {
-    expand_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl,
-                                                     w.bytes, M);
-  }
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    dequant_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(w.bytes, scale.typed_data(), w.ctrl,
-                                                               static_cast<T*>(out->untyped_data()), n, M);
-  });
   return launched(op);
 }
 

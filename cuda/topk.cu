@@ -276,20 +276,22 @@ __global__ void scatter_kernel(const I* __restrict__ idx, const W* __restrict__ 
 // Handlers
 // ---------------------------------------------------------------------------
 unsigned grid_for(int64_t items) {
-  constexpr int64_t kMaxBlocks = 4096;
+  constexpr int64_t kMaxGrid = 4096;
   const int64_t blocks = (items + kTopkThreads - 1) / kTopkThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < kMaxGrid ? blocks : kMaxGrid));
+}
+
+// Scratch of the whole-tensor select for n elements: the state, then per-tile
+// counts (uint32) and offsets (uint64).
+size_t whole_scratch_bytes(int64_t n) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  return sizeof(SelectState) + 2 * tiles * sizeof(uint32_t) + 2 * tiles * sizeof(unsigned long long);
 }
 
 template <typename W, typename I>
-ffi::Error encode_whole(cudaStream_t stream, ffi::ScratchAllocator& scratch, const W* x, int64_t n, int64_t k,
-                        I* idx, W* val, const char* op) {
+void encode_whole(cudaStream_t stream, void* scratch, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  // State, then per-tile counts (uint32) and offsets (uint64).
-  const size_t bytes = sizeof(SelectState) + 2 * tiles * sizeof(uint32_t) + 2 * tiles * sizeof(unsigned long long);
-  std::optional<void*> mem = scratch.Allocate(bytes, 16);
-  if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
-  char* base = static_cast<char*>(*mem);
+  char* base = static_cast<char*>(scratch);
   SelectState* st = reinterpret_cast<SelectState*>(base);
   unsigned long long* out0 = reinterpret_cast<unsigned long long*>(base + sizeof(SelectState));
   unsigned long long* eq0 = out0 + tiles;
@@ -304,56 +306,65 @@ ffi::Error encode_whole(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   tile_count_kernel<W><<<static_cast<unsigned>(tiles), kTopkThreads, 0, stream>>>(x, n, st, gt, eq);
   tile_scan_kernel<<<1, kScanThreads, 0, stream>>>(gt, eq, tiles, st, out0, eq0);
   tile_emit_kernel<W, I><<<static_cast<unsigned>(tiles), kTopkThreads, 0, stream>>>(x, n, st, out0, eq0, idx, val);
-  return launched(op);
 }
 
+// The entries of a batch run one after the other on the stream, so the
+// whole-tensor mode's scratch is allocated once and reused.
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
                       int64_t bucket) {
   const char* op = "jaxcomp_topk_encode";
+  const Batch b(x, *indices, *values);
   const DType dt = dtype_of(x.element_type());
   const int ibytes = index_bytes(indices->element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
-                                        indices->element_count(), values->element_count()))
+  const int64_t n = b.count(0);
+  if (const char* e = b.check(topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
+                                                b.count(1), b.count(2))))
     return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  ffi::Error result = ffi::Error::Success();
-  topk_with_types(dt, ibytes, [&](auto w, auto i) {
+  void* mem = nullptr;
+  if (bucket == 0) {
+    std::optional<void*> allocated = scratch.Allocate(whole_scratch_bytes(n), 16);
+    if (!allocated.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
+    mem = *allocated;
+  }
+  topk_with_types(dt, ibytes, [&](auto w, auto ix) {
     using W = decltype(w);
-    using I = decltype(i);
-    const W* xd = static_cast<const W*>(x.untyped_data());
-    I* id = static_cast<I*>(indices->untyped_data());
-    W* vd = static_cast<W*>(values->untyped_data());
-    if (bucket == 0) {
-      result = encode_whole<W, I>(stream, scratch, xd, n, k, id, vd, op);
-    } else {
-      const int64_t nb = num_buckets(n, bucket);
-      bucket_select_kernel<W, I><<<static_cast<unsigned>(nb), kTopkThreads, 0, stream>>>(xd, n, k, bucket, id, vd);
-      result = launched(op);
+    using I = decltype(ix);
+    for (int64_t i = 0; i < b.size(); ++i) {
+      const W* xd = b.at<const W>(0, i);
+      if (bucket == 0) {
+        encode_whole<W, I>(stream, mem, xd, n, k, b.at<I>(1, i), b.at<W>(2, i));
+      } else {
+        bucket_select_kernel<W, I><<<static_cast<unsigned>(num_buckets(n, bucket)), kTopkThreads, 0, stream>>>(
+            xd, n, k, bucket, b.at<I>(1, i), b.at<W>(2, i));
+      }
     }
   });
-  return result;
+  return launched(op);
 }
 
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
                       ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
+  const Batch b(indices, values, *out);
   const DType dt = dtype_of(out->element_type());
   const int ibytes = index_bytes(indices.element_type());
-  const int64_t n = out->element_count(), entries = indices.element_count();
-  if (const char* e = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
-                                        values.element_count()))
+  const int64_t n = b.count(2), entries = b.count(0);
+  if (const char* e = b.check(topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
+                                                b.count(1))))
     return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
+  // One memset for the whole batch: the outputs of the entries are contiguous.
   cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
   if (entries > 0) {
-    topk_with_types(dt, ibytes, [&](auto w, auto i) {
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
       using W = decltype(w);
-      using I = decltype(i);
-      scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
-          static_cast<const I*>(indices.untyped_data()), static_cast<const W*>(values.untyped_data()), entries, n,
-          k, bucket, static_cast<W*>(out->untyped_data()));
+      using I = decltype(ix);
+      for (int64_t i = 0; i < b.size(); ++i) {
+        scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
+            b.at<const I>(0, i), b.at<const W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
+      }
     });
   }
   return launched(op);

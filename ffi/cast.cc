@@ -32,22 +32,18 @@ JC_CPU_LOOP void cast_range(const CastArgs& a, int64_t i0, int64_t i1) {
   });
 }
 
-void cast(Runner& runner, const CastArgs& a, int64_t n) {
-  parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) { cast_range(a, i0, i1); });
-}
-
 // ---------------------------------------------------------------------------
 // Handler
 // ---------------------------------------------------------------------------
 ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  const char* op = "jaxcomp_cast";
+  const Batch b(x, *y);
   const DType from = dtype_of(x.element_type()), to = dtype_of(y->element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = cast_check(from, to, n, y->element_count())) return invalid(op, e);
+  const int64_t n = b.count(0);
   hint_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
-  PoolRunner runner(pool);
-  cast(runner, CastArgs{from, to, x.untyped_data(), y->untyped_data()}, n);
-  return ffi::Error::Success();
+  return run_batch(pool, "jaxcomp_cast", b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i, Runner& runner) {
+    const CastArgs a{from, to, b.at<void>(0, i), b.at<void>(1, i)};
+    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) { cast_range(a, i0, i1); });
+  });
 }
 
 }  // namespace

@@ -155,3 +155,55 @@ JC_AVX2 inline float tree_sum(__m256* v, int nv) {
 
 }  // namespace cpu
 }  // namespace jaxcomp
+
+// ---------------------------------------------------------------------------
+// The CPU handlers of the pair families (handler.h). A family names its op,
+// its check and the function that runs one tensor, and registers the result:
+//   JAXCOMP_REGISTER(kDecode, (PairHandlers<ffi::S8, ffi::F32>::decode<kDecode, int8_check_decode, decode>));
+// ---------------------------------------------------------------------------
+namespace jaxcomp {
+
+template <ffi::DataType kCodes, ffi::DataType kSide>
+struct PairHandlers {
+  using Codes = ffi::NativeType<kCodes>;
+  using Side = ffi::NativeType<kSide>;
+  // One tensor of n elements, x -> (codes, side) and back.
+  using Encode = void (*)(Runner&, DType, const void* x, int64_t n, int bucket, Codes*, Side*);
+  using Decode = void (*)(Runner&, DType, const Codes*, const Side*, int64_t n, int bucket, void* out);
+
+  template <const char* kOp, PairCheck kCheck, Encode kEncode>
+  static ffi::Error encode_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<kCodes> codes,
+                                ffi::ResultBuffer<kSide> side, int64_t bucket) {
+    const Batch<3> b(x, *codes, *side);
+    const DType dt = dtype_of(x.element_type());
+    const int64_t n = b.count(0);
+    hint_huge_pages(codes->untyped_data(), static_cast<int64_t>(codes->size_bytes()));
+    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(1), b.count(2), bucket), n, [&](int64_t i, Runner& r) {
+      kEncode(r, dt, b.at<void>(0, i), n, static_cast<int>(bucket), b.at<Codes>(1, i), b.at<Side>(2, i));
+    });
+  }
+
+  template <const char* kOp, PairCheck kCheck, Decode kDecode>
+  static ffi::Error decode_impl(ffi::ThreadPool pool, ffi::Buffer<kCodes> codes, ffi::Buffer<kSide> side,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+    const Batch<3> b(codes, side, *out);
+    const DType dt = dtype_of(out->element_type());
+    const int64_t n = b.count(2);
+    hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(0), b.count(1), bucket), n, [&](int64_t i, Runner& r) {
+      kDecode(r, dt, b.at<Codes>(0, i), b.at<Side>(1, i), n, static_cast<int>(bucket), b.at<void>(2, i));
+    });
+  }
+
+  template <const char* kOp, PairCheck kCheck, Encode kEncode>
+  static XLA_FFI_Error* encode(XLA_FFI_CallFrame* frame) {
+    return pair_encode_handler<ffi::ThreadPool, kCodes, kSide, encode_impl<kOp, kCheck, kEncode>>(frame);
+  }
+
+  template <const char* kOp, PairCheck kCheck, Decode kDecode>
+  static XLA_FFI_Error* decode(XLA_FFI_CallFrame* frame) {
+    return pair_decode_handler<ffi::ThreadPool, kCodes, kSide, decode_impl<kOp, kCheck, kDecode>>(frame);
+  }
+};
+
+}  // namespace jaxcomp

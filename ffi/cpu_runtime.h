@@ -30,8 +30,9 @@ namespace jaxcomp {
 // x86-64, with everything it calls inlined into it (flatten), so each copy
 // vectorizes with its own vector width; the dynamic loader picks one copy on
 // the first call (an ifunc on __builtin_cpu_supports), once for the process.
-// The code outside these loops is compiled once, for the baseline, so no
-// inline or library function exists in two builds.
+// Everything else is compiled once, for the baseline: no out-of-line copy of
+// an inline or library function exists in two builds that the linker could
+// mix up (as with the former second compilation of the kernels with -mavx2).
 //
 // Loops with hand-written AVX2 intrinsic paths are defined through
 // JC_CPU_LOOP_WITH_AVX2_PATHS instead: the same two versions, written out,
@@ -141,6 +142,14 @@ inline void parallel_for(Runner& runner, int64_t n, int64_t min_per_task, const 
   st->cv.wait(lock, [&] { return st->done.load() == chunks; });
 }
 
+// Runs range(a, b0, b1) over the buckets [b0, b1) of one tensor (a.n
+// elements in buckets of a.bucket), in tasks of whole buckets.
+template <typename Args>
+inline void for_buckets(Runner& runner, const Args& a, void (*range)(const Args&, int64_t, int64_t)) {
+  parallel_for(runner, (a.n + a.bucket - 1) / a.bucket, buckets_per_task(a.bucket),
+               [&](int64_t b0, int64_t b1) { range(a, b0, b1); });
+}
+
 // Runs fn(i, runner) for the entries i in [0, batch) of a batched call, each
 // entry `work` elements: one entry after the other, each split across the
 // threads, when an entry is large enough to pay for them; otherwise the
@@ -194,5 +203,17 @@ class PoolRunner final : public Runner {
  private:
   ffi::ThreadPool& pool_;
 };
+
+// The end of every CPU handler: the buffers must form one batch and pass the
+// family's check (`error`: nullptr when they do); then run(i, runner) runs
+// entry i, of `work` elements, for every entry (for_each_item).
+template <size_t N, typename Run>
+ffi::Error run_batch(ffi::ThreadPool& pool, const char* op, const Batch<N>& batch, const char* error, int64_t work,
+                     const Run& run) {
+  if (const char* e = batch.check(error)) return invalid(op, e);
+  PoolRunner runner(pool);
+  for_each_item(runner, batch.size(), work, run);
+  return ffi::Error::Success();
+}
 
 }  // namespace jaxcomp

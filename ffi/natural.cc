@@ -101,47 +101,31 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
   });
 }
 
-void encode(Runner& runner, const EncodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { encode_range(a, b0, b1); });
-}
-
-void decode(Runner& runner, const DecodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { decode_range(a, b0, b1); });
+void decode(Runner& runner, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int bucket, void* out) {
+  for_buckets(runner, DecodeArgs{dt, out, n, bucket, codes, tops}, decode_range);
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: decode is the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::U8>;
+constexpr char kDecode[] = "jaxcomp_natural_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, decode>));
+
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
                       int64_t stochastic) {
-  const char* op = "jaxcomp_natural_encode";
+  const Batch b(x, seed, *codes, *tops);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = natural_check_encode(dt, n, seed.element_count(), codes->element_count(),
-                                           tops->element_count(), bucket, stochastic))
-    return invalid(op, e);
+  const int64_t n = b.count(0);
+  const char* error = natural_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, stochastic);
   hint_huge_pages(codes->typed_data(), codes->element_count());
-  PoolRunner runner(pool);
-  encode(runner, EncodeArgs{dt, x.untyped_data(), n, static_cast<int>(bucket), stochastic != 0,
-                            seed.typed_data()[0], seed.typed_data()[1], codes->typed_data(), tops->typed_data()});
-  return ffi::Error::Success();
-}
-
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> tops,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_natural_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = natural_check_decode(dt, n, codes.element_count(), tops.element_count(), bucket))
-    return invalid(op, e);
-  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  decode(runner,
-         DecodeArgs{dt, out->untyped_data(), n, static_cast<int>(bucket), codes.typed_data(), tops.typed_data()});
-  return ffi::Error::Success();
+  return run_batch(pool, "jaxcomp_natural_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), stochastic != 0, key[0], key[1],
+                       b.at<uint8_t>(2, i), b.at<uint8_t>(3, i)};
+    for_buckets(runner, a, encode_range);
+  });
 }
 
 }  // namespace
@@ -157,12 +141,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalEncode, jaxcomp::EncodeImpl,
                                   .Attr<int64_t>("bucket_size")   // power of two
                                   .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
 JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompNaturalEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // codes
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_natural_decode", JaxcompNaturalDecode);

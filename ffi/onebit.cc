@@ -109,6 +109,12 @@ void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
+JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
+
+void encode(Runner& runner, DType dt, const void* x, int64_t n, int bucket, uint8_t* bits, float* means) {
+  for_buckets(runner, EncodeArgs{dt, x, n, bucket, bits, means}, encode_range);
+}
+
 template <bool AVX2>
 void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
@@ -130,66 +136,20 @@ void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
-JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
 
-void encode(Runner& runner, const EncodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { encode_range(a, b0, b1); });
-}
-
-void decode(Runner& runner, const DecodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { decode_range(a, b0, b1); });
+void decode(Runner& runner, DType dt, const uint8_t* bits, const float* means, int64_t n, int bucket, void* out) {
+  for_buckets(runner, DecodeArgs{dt, out, n, bucket, bits, means}, decode_range);
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: the pair families' (cpu_buckets.h), the bits being the codes
 // ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> bits,
-                      ffi::ResultBuffer<ffi::F32> means, int64_t bucket) {
-  const char* op = "jaxcomp_onebit_encode";
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = onebit_check_encode(dt, n, bits->element_count(), means->element_count(), bucket))
-    return invalid(op, e);
-  PoolRunner runner(pool);
-  encode(runner,
-         EncodeArgs{dt, x.untyped_data(), n, static_cast<int>(bucket), bits->typed_data(), means->typed_data()});
-  return ffi::Error::Success();
-}
-
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> bits, ffi::Buffer<ffi::F32> means,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_onebit_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = onebit_check_decode(dt, n, bits.element_count(), means.element_count(), bucket))
-    return invalid(op, e);
-  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  decode(runner, DecodeArgs{dt, out->untyped_data(), n, static_cast<int>(bucket), bits.typed_data(),
-                            means.typed_data()});
-  return ffi::Error::Success();
-}
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kEncode[] = "jaxcomp_onebit_encode";
+constexpr char kDecode[] = "jaxcomp_onebit_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, encode>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, decode>));
 
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompOnebitEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // sign bits, packed
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_onebit_encode", JaxcompOnebitEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompOnebitDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // sign bits
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // (avg+, avg-) per bucket
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_onebit_decode", JaxcompOnebitDecode);

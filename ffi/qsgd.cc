@@ -258,48 +258,36 @@ void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
 JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
 
-void encode(Runner& runner, const EncodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { encode_range(a, b0, b1); });
-}
-
-void decode(Runner& runner, const DecodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { decode_range(a, b0, b1); });
-}
-
 // ---------------------------------------------------------------------------
 // Handlers
 // ---------------------------------------------------------------------------
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
                       int64_t bucket, int64_t l2) {
-  const char* op = "jaxcomp_qsgd_encode";
+  const Batch b(x, seed, *packed, *scales);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = qsgd_check_encode(dt, n, seed.element_count(), packed->element_count(),
-                                        scales->element_count(), bits, bucket))
-    return invalid(op, e);
-  PoolRunner runner(pool);
-  encode(runner, EncodeArgs{dt, x.untyped_data(), n, static_cast<int>(bucket), static_cast<int>(bits), l2 != 0,
-                            seed.typed_data()[0], seed.typed_data()[1], packed->typed_data(),
-                            scales->typed_data()});
-  return ffi::Error::Success();
+  const int64_t n = b.count(0);
+  const char* error = qsgd_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bits, bucket);
+  return run_batch(pool, "jaxcomp_qsgd_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), static_cast<int>(bits), l2 != 0, key[0],
+                       key[1], b.at<uint8_t>(2, i), b.at<float>(3, i)};
+    for_buckets(runner, a, encode_range);
+  });
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
                       ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
-  const char* op = "jaxcomp_qsgd_decode";
+  const Batch b(packed, scales, *out);
   const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e =
-          qsgd_check_decode(dt, n, packed.element_count(), scales.element_count(), bits, bucket))
-    return invalid(op, e);
+  const int64_t n = b.count(2);
+  const char* error = qsgd_check_decode(dt, n, b.count(0), b.count(1), bits, bucket);
   hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  decode(runner, DecodeArgs{dt, out->untyped_data(), n, static_cast<int>(bucket), static_cast<int>(bits),
-                            packed.typed_data(), scales.typed_data()});
-  return ffi::Error::Success();
+  return run_batch(pool, "jaxcomp_qsgd_decode", b, error, n, [&](int64_t i, Runner& runner) {
+    const DecodeArgs a{dt, b.at<void>(2, i), n, static_cast<int>(bucket), static_cast<int>(bits),
+                       b.at<uint8_t>(0, i), b.at<float>(1, i)};
+    for_buckets(runner, a, decode_range);
+  });
 }
 
 }  // namespace

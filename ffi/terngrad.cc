@@ -134,46 +134,35 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t e0, int64_t e1) {
   });
 }
 
+void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales, int64_t n, int bucket, void* out) {
+  const DecodeArgs a{dt, out, n, bucket, trits, scales};
+  parallel_for(runner, n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
+}
+
 void encode(Runner& runner, const EncodeArgs& a) {
-  parallel_for(runner, num_buckets(a.n, a.bucket), buckets_per_task(a.bucket),
-               [&](int64_t b0, int64_t b1) { scales_range(a, b0, b1); });
+  for_buckets(runner, a, scales_range);
   parallel_for(runner, base3_bytes(a.n), kElementsPerTask / 5,
                [&](int64_t i0, int64_t i1) { pack_range(a, i0, i1); });
 }
 
-void decode(Runner& runner, const DecodeArgs& a) {
-  parallel_for(runner, a.n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
-}
+// ---------------------------------------------------------------------------
+// Handlers: decode is the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kDecode[] = "jaxcomp_terngrad_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, terngrad_check_decode, decode>));
 
-// ---------------------------------------------------------------------------
-// Handlers
-// ---------------------------------------------------------------------------
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
-  const char* op = "jaxcomp_terngrad_encode";
+  const Batch b(x, seed, *trits, *scales);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = terngrad_check_encode(dt, n, seed.element_count(), trits->element_count(),
-                                            scales->element_count(), bucket))
-    return invalid(op, e);
-  PoolRunner runner(pool);
-  encode(runner, EncodeArgs{dt, x.untyped_data(), n, static_cast<int>(bucket), seed.typed_data()[0],
-                            seed.typed_data()[1], trits->typed_data(), scales->typed_data()});
-  return ffi::Error::Success();
-}
-
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-  const char* op = "jaxcomp_terngrad_decode";
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count();
-  if (const char* e = terngrad_check_decode(dt, n, trits.element_count(), scales.element_count(), bucket))
-    return invalid(op, e);
-  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  decode(runner, DecodeArgs{dt, out->untyped_data(), n, static_cast<int>(bucket), trits.typed_data(),
-                            scales.typed_data()});
-  return ffi::Error::Success();
+  const int64_t n = b.count(0);
+  const char* error = terngrad_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket);
+  return run_batch(pool, "jaxcomp_terngrad_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, static_cast<int>(bucket), key[0], key[1], b.at<uint8_t>(2, i),
+                              b.at<float>(3, i)});
+  });
 }
 
 }  // namespace
@@ -188,12 +177,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradEncode, jaxcomp::EncodeImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
                                   .Attr<int64_t>("bucket_size"));  // power of two
 JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompTerngradEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
-                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_terngrad_decode", JaxcompTerngradDecode);

@@ -315,33 +315,36 @@ std::string decode(Runner& runner, const DecodeArgs& a) {
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> stream,
                       ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
                       ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
-  const char* op = "jaxcomp_threelc_encode";
+  const Batch b(x, *stream, *scale, *length, *overflow, *work);
   const DType dt = dtype_of(x.element_type());
-  const int64_t n = x.element_count(), cap = stream->element_count();
-  if (const char* e = threelc_check_encode(dt, n, sparsity_bits, cap, scale->element_count(), length->element_count(),
-                                           overflow->element_count(), work->element_count()))
-    return invalid(op, e);
-  PoolRunner runner(pool);
-  encode(runner, EncodeArgs{dt, x.untyped_data(), n, threelc_sparsity(sparsity_bits), stream->typed_data(), cap,
-                            scale->typed_data(), length->typed_data(), overflow->typed_data(), work->typed_data()});
-  return ffi::Error::Success();
+  const int64_t n = b.count(0), cap = b.count(1);
+  const char* error =
+      threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5));
+  return run_batch(pool, "jaxcomp_threelc_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, threelc_sparsity(sparsity_bits), b.at<uint8_t>(1, i), cap,
+                              b.at<float>(2, i), b.at<int32_t>(3, i), b.at<uint8_t>(4, i), b.at<uint8_t>(5, i)});
+  });
 }
 
+// A corrupted stream in any entry fails the call, with the first such
+// entry's reason.
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
   const char* op = "jaxcomp_threelc_decode";
+  const Batch b(stream, scale, length, overflow, *out, *work);
   const DType dt = dtype_of(out->element_type());
-  const int64_t n = out->element_count(), cap = stream.element_count();
-  if (const char* e = threelc_check_decode(dt, n, cap, scale.element_count(), length.element_count(),
-                                           overflow.element_count(), work->element_count()))
-    return invalid(op, e);
+  const int64_t n = b.count(4), cap = b.count(0);
+  const char* error = threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5));
   hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  const std::string err =
-      decode(runner, DecodeArgs{dt, stream.typed_data(), cap, scale.typed_data(), length.typed_data(),
-                                overflow.typed_data(), out->untyped_data(), n, work->typed_data()});
-  return err.empty() ? ffi::Error::Success() : invalid(op, err);
+  std::vector<std::string> corrupted(b.error() == nullptr && error == nullptr ? b.size() : 0);
+  const ffi::Error result = run_batch(pool, op, b, error, n, [&](int64_t i, Runner& runner) {
+    corrupted[i] = decode(runner, DecodeArgs{dt, b.at<uint8_t>(0, i), cap, b.at<float>(1, i), b.at<int32_t>(2, i),
+                                             b.at<uint8_t>(3, i), b.at<void>(4, i), n, b.at<uint8_t>(5, i)});
+  });
+  for (const std::string& why : corrupted)
+    if (!why.empty()) return invalid(op, why);
+  return result;
 }
 
 }  // namespace

@@ -406,43 +406,38 @@ void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t
 // ---------------------------------------------------------------------------
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
                       ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
-  const char* op = "jaxcomp_topk_encode";
+  const Batch b(x, *indices, *values);
   const DType dt = dtype_of(x.element_type());
   const int ibytes = index_bytes(indices->element_type());
-  const int64_t n = x.element_count();
-  if (const char* e = topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
-                                        indices->element_count(), values->element_count()))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
-  PoolRunner runner(pool);
-  topk_with_types(dt, ibytes, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    encode<W, I>(runner, static_cast<const W*>(x.untyped_data()), n, k, bucket,
-                 static_cast<I*>(indices->untyped_data()), static_cast<W*>(values->untyped_data()));
+  const int64_t n = b.count(0);
+  const char* error =
+      topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket, b.count(1), b.count(2));
+  return run_batch(pool, "jaxcomp_topk_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    if (n == 0) return;
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+      using W = decltype(w);
+      using I = decltype(ix);
+      encode<W, I>(runner, b.at<W>(0, i), n, k, bucket, b.at<I>(1, i), b.at<W>(2, i));
+    });
   });
-  return ffi::Error::Success();
 }
 
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
                       ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
-  const char* op = "jaxcomp_topk_decode";
+  const Batch b(indices, values, *out);
   const DType dt = dtype_of(out->element_type());
   const int ibytes = index_bytes(indices.element_type());
-  const int64_t n = out->element_count(), entries = indices.element_count();
-  if (const char* e = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
-                                        values.element_count()))
-    return invalid(op, e);
-  if (n == 0) return ffi::Error::Success();
+  const int64_t n = b.count(2), entries = b.count(0);
+  const char* error = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries, b.count(1));
   hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  PoolRunner runner(pool);
-  topk_with_types(dt, ibytes, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    decode<W, I>(runner, static_cast<const I*>(indices.untyped_data()), static_cast<const W*>(values.untyped_data()),
-                 entries, n, k, bucket, static_cast<W*>(out->untyped_data()));
+  return run_batch(pool, "jaxcomp_topk_decode", b, error, n, [&](int64_t i, Runner& runner) {
+    if (n == 0) return;
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+      using W = decltype(w);
+      using I = decltype(ix);
+      decode<W, I>(runner, b.at<I>(0, i), b.at<W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
+    });
   });
-  return ffi::Error::Success();
 }
 
 }  // namespace
