@@ -160,12 +160,10 @@ __device__ __forceinline__ int64_t thread_run_start(const uint8_t* b, int64_t M,
   return prev + 1;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    count_kernel(const uint8_t* b, int64_t M, const int64_t* carry, int64_t* counts) {
-  __shared__ typename Scan::TempStorage tmp;
-  __shared__ typename Reduce::TempStorage rtmp;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
-  int64_t start = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
+// Output bytes of the thread's bytes [base, base + kPerThread): one per
+// literal and one per chunk head (a 121 at run position p, p % 14 == 0),
+// given where the run through its first byte started.
+__device__ __forceinline__ int64_t thread_emits(const uint8_t* b, int64_t M, int64_t base, int64_t start) {
   int64_t c = 0;
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t i = base + k;
@@ -177,6 +175,15 @@ __global__ void __launch_bounds__(kThreads)
       c += (i - start) % kTlcMaxRun == 0;
     }
   }
+  return c;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const uint8_t* b, int64_t M, const int64_t* carry, int64_t* counts) {
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ typename Reduce::TempStorage rtmp;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  const int64_t c = thread_emits(b, M, base, thread_run_start(b, M, base, carry[blockIdx.x], tmp));
   const int64_t total = Reduce(rtmp).Sum(c);
   if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
@@ -186,22 +193,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename Scan::TempStorage tmp;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
   const int64_t start0 = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
-  int64_t start = start0;
-  int64_t c = 0;
-  for (int k = 0; k < kPerThread; ++k) {
-    const int64_t i = base + k;
-    if (i >= M) break;
-    if (b[i] != kTlcZero) {
-      start = i + 1;
-      ++c;
-    } else {
-      c += (i - start) % kTlcMaxRun == 0;
-    }
-  }
   int64_t o;
-  Scan(tmp).ExclusiveSum(c, o);
+  Scan(tmp).ExclusiveSum(thread_emits(b, M, base, start0), o);
   o += offs[blockIdx.x];
-  start = start0;
+  int64_t start = start0;
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t i = base + k;
     if (i >= M) break;

@@ -1,7 +1,6 @@
 // The nanobind module _jaxcomp_cpu: hands the CPU handlers that the family
 // files registered (jaxcomp/registry.h) to jaxcomp/_ffi.py, which registers
 // them for platform "cpu", and reports which build of the loops runs.
-#include <stdexcept>
 #include <string>
 
 #include "cpu_runtime.h"
@@ -27,10 +26,7 @@ const char* isa() { return "base"; }
 NB_MODULE(_jaxcomp_cpu, m) {
   m.def("registrations", []() {
     nb::dict d;
-    for (const jaxcomp::HandlerEntry& e : jaxcomp::registered_handlers()) {
-      if (d.contains(e.name)) throw std::runtime_error(std::string("two handlers registered as ") + e.name);
-      d[e.name] = nb::capsule(e.handler);
-    }
+    for (const jaxcomp::HandlerEntry& e : jaxcomp::unique_handlers()) d[e.name] = nb::capsule(e.handler);
     return d;
   });
   m.def("isa", []() { return std::string(isa()); }, "Instruction set the CPU kernels use.");

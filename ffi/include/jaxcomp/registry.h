@@ -10,6 +10,9 @@
 // references).
 #pragma once
 
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace jaxcomp {
@@ -29,6 +32,17 @@ __attribute__((visibility("hidden")))
 inline std::vector<HandlerEntry>& registered_handlers() {
   static std::vector<HandlerEntry> list;  // built on first use: safe in any static-init order
   return list;
+}
+
+// The registered handlers, after checking that no two share a name (which
+// would be a mistake in a family file).
+inline const std::vector<HandlerEntry>& unique_handlers() {
+  const std::vector<HandlerEntry>& all = registered_handlers();
+  for (size_t i = 0; i < all.size(); ++i)
+    for (size_t j = 0; j < i; ++j)
+      if (std::strcmp(all[i].name, all[j].name) == 0)
+        throw std::logic_error(std::string("two handlers registered as ") + all[i].name);
+  return all;
 }
 
 struct Registration {
