@@ -13,7 +13,7 @@ namespace cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Kernels
+// Kernels and their launches
 // ---------------------------------------------------------------------------
 template <typename T>
 __global__ void __launch_bounds__(kThreads)

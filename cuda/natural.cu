@@ -14,7 +14,7 @@ namespace cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Kernels
+// Kernels and their launches
 // ---------------------------------------------------------------------------
 template <typename T, bool STOCHASTIC>
 __global__ void __launch_bounds__(kThreads)

@@ -14,7 +14,7 @@ namespace cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Kernels
+// Kernels and their launches
 // ---------------------------------------------------------------------------
 
 // The two sums of a bucket and its count of non-negative valid values, added

@@ -15,7 +15,7 @@ namespace cuda {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Kernels
+// Kernels and their launches
 // ---------------------------------------------------------------------------
 // Phase 1, one segment per bucket: the scale (an integer max, any order).
 template <typename T>

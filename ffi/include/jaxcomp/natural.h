@@ -2,16 +2,7 @@
 // ffi/natural.cc and cuda/natural.cu: the per-element bodies, the payload
 // sizes and the checks. All integer arithmetic on the float32 bits; twin:
 // jaxcomp/ops/natural.py.
-#pragma once
-
-#include <type_traits>
-
-#include "jaxcomp/checks.h"
-#include "jaxcomp/common.h"
-
-namespace jaxcomp {
-
-// ---------------------------------------------------------------------------
+//
 // Every value becomes a signed power of two. One byte per value:
 //   bit 7 sign, bit 6 zero/special flag, bits 0..5 d.
 //   flag 0: +-2^(top - d - 127), i.e. the float32 with biased exponent top - d,
@@ -26,7 +17,15 @@ namespace jaxcomp {
 // Rounding up never passes the exponent cap (254 for float32/bfloat16, 142 =
 // 2^15 for float16): values at or above the largest power of the dtype round
 // down to it, so finite inputs stay finite.
-// ---------------------------------------------------------------------------
+#pragma once
+
+#include <type_traits>
+
+#include "jaxcomp/checks.h"
+#include "jaxcomp/common.h"
+
+namespace jaxcomp {
+
 constexpr uint32_t kNaturalZero = 0x40u;
 constexpr uint32_t kNaturalInf = 0x7eu;  // | sign << 7
 constexpr uint32_t kNaturalNaN = 0x7fu;
