@@ -51,7 +51,7 @@ def np_tree_sum(a):
 
 
 def np_exact_square(v):
-    """codecs.h exact_square: v^2 from three exact products (within 2^-23 of v*v)."""
+    """qsgd.h exact_square: v^2 from three exact products (within 2^-23 of v*v)."""
     h = (v.view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
     lo = v - h
     sq = (h * h + (h * lo) * np.float32(2)) + lo * lo

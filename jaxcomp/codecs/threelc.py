@@ -228,7 +228,7 @@ class ThreeLC(VariableRateCodec):
 ZERO_BYTE = 121  # five zeros, base-3^5
 RUN_BASE = 243  # first run byte: a run of 2
 MAX_RUN = 14
-# CUDA launch geometry shared with cuda/threelc_ops.cu: stream bytes per block
+# CUDA launch geometry shared with cuda/threelc.cu: stream bytes per block
 # of the scan kernels, which decides the size of the work buffer.
 BLOCK_BYTES = 4096
 
@@ -241,7 +241,7 @@ def sparsity_bits(s: float) -> int:
 def work_nbytes(n: int, capacity: int) -> int:
     """Scratch bytes of the kernels: the base-3^5 bytes (rounded up to 8), 8
     int32 control words and two int64 counters per block of BLOCK_BYTES for
-    the CUDA scans (cuda/threelc_ops.cu; the CPU kernels use the first part)."""
+    the CUDA scans (cuda/threelc.cu; the CPU kernels use the first part)."""
     m = ternary.num_bytes(n)
     blocks = -(-max(m, capacity) // BLOCK_BYTES)
     return -(-m // 8) * 8 + 32 + 16 * blocks

@@ -32,7 +32,7 @@ def max_abs(buckets: jax.Array) -> jax.Array:
 
 
 def tree_sum(a: jax.Array) -> jax.Array:
-    """Per-row sum in the halving-tree order of codecs.h."""
+    """Per-row sum in the halving-tree order of common.h."""
     w = a.shape[1] // 2
     while w >= 1:
         a = a[:, :w] + a[:, w : 2 * w]
@@ -41,7 +41,7 @@ def tree_sum(a: jax.Array) -> jax.Array:
 
 
 def exact_square(x: jax.Array) -> jax.Array:
-    """codecs.h: exact_square. v = h + l with h = v's top 12 significant bits;
+    """qsgd.h: exact_square. v = h + l with h = v's top 12 significant bits;
     h*h, h*l and l*l are exact, so XLA's FMA contraction cannot change it."""
     h = lax.bitcast_convert_type(
         lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32
@@ -51,6 +51,6 @@ def exact_square(x: jax.Array) -> jax.Array:
 
 
 def safe_recip(scale: jax.Array, numerator: float) -> jax.Array:
-    """numerator / scale where scale > 0, else 0 (codecs.h: qsgd_inv, int8_inv)."""
+    """numerator / scale where scale > 0, else 0 (qsgd.h: qsgd_inv, int8.h: int8_inv)."""
     positive = scale > 0
     return jnp.where(positive, np.float32(numerator) / jnp.where(positive, scale, 1.0), 0.0)

@@ -24,7 +24,7 @@ def ffi_call(
     **attrs: int,
 ) -> tuple[jax.Array, ...]:
     """Calls an FFI target; integer attributes are passed as exact int64."""
-    call = jax.ffi.ffi_call(target, tuple(results), vmap_method="sequential")
+    call = jax.ffi.ffi_call(target, tuple(results), vmap_method="broadcast_all")
     outs = tuple(call(*args, **{k: np.int64(v) for k, v in attrs.items()}))
     # Inside shard_map, an ffi_call's outputs are typed device-invariant even
     # though they depend on per-device inputs; mark them varying over the

@@ -2,8 +2,15 @@
 //
 // Everything here is marked host+device so the CPU handlers (ffi/) and the
 // CUDA kernels (cuda/) run the same bodies. The pure-JAX twins in
-// jaxcomp/ops/ implement exactly the same arithmetic; any change here must be
-// mirrored there (the bit-exactness tests catch a mismatch).
+// jaxcomp/codecs/ and jaxcomp/ops/ implement exactly the same arithmetic; any
+// change here must be mirrored there (the bit-exactness tests catch a
+// mismatch).
+//
+// Reductions that depend on order (sums) use the halving tree
+//   for (w = B/2; w >= 1; w /= 2) a[i] += a[i + w]   (i < w)
+// over a power-of-two bucket B padded with zeros: the CPU loops, the
+// classic shared-memory CUDA reduction and the jnp twin all add in this order,
+// which is what makes the backends bit-identical.
 #pragma once
 
 #include <math.h>
@@ -154,6 +161,20 @@ JC_HD bf16_t from_f32<bf16_t>(float v) {
 template <>
 JC_HD f16_t from_f32<f16_t>(float v) {
   return f16_t{f32_to_f16_bits(v)};
+}
+
+// The element types of the float buffers, as the handlers see them.
+enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kOther = 3 };
+
+// Runs fn(T{}) with T the storage type of dt (one of the three floats; the
+// handlers have checked it).
+template <typename Fn>
+inline void with_type(DType dt, Fn&& fn) {
+  switch (dt) {
+    case DType::kBF16: return fn(bf16_t{});
+    case DType::kF16: return fn(f16_t{});
+    default: return fn(float{});
+  }
 }
 
 // |v| as ordered integer bits: for non-negative floats the integer order is

@@ -1,5 +1,5 @@
 // Base-3^5 packing of ternary values (the 3LC paper, section 3.2), shared by
-// TernGrad and (later) 3LC, on CPU and CUDA. Twin: jaxcomp/ops/ternary.py.
+// TernGrad and 3LC, on CPU and CUDA. Twin: jaxcomp/ops/ternary.py.
 //
 // A stream of n trits t in {-1, 0, 1} is shifted to digits t + 1 in {0, 1, 2},
 // zero-padded (digit 1) to 5m values, m = ceil(n / 5), and split into five

@@ -1,6 +1,6 @@
-// 3LC (Lim, Andersen, Kaminsky, SysML 2019, section 3) bodies shared by the
-// CPU handlers (ffi/threelc_ops.cc) and the CUDA kernels (cuda/threelc_ops.cu).
-// Twin: jaxcomp/ops/threelc.py.
+// 3LC (Lim, Andersen, Kaminsky, SysML 2019, section 3), shared by
+// ffi/threelc.cc and cuda/threelc.cu: the bodies, the buffer sizes and the
+// checks. Twin: jaxcomp/codecs/threelc.py.
 //
 // - Quantization (section 3.1): m = max|x| * s in float32; q = round(x / m),
 //   half to even, which for |x| <= m is sign(x) when 2|x| > m and 0 otherwise
@@ -12,6 +12,7 @@
 //   when no 121 and no run byte below 255 is followed by a 121 or a run byte.
 #pragma once
 
+#include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
 #include "jaxcomp/ternary.h"
 
@@ -50,5 +51,61 @@ JC_HD bool threelc_pair_ok(uint32_t a, uint32_t b) {
 // Decoded value of digit d: (d - 1) * m (NaN when m is NaN or infinite and
 // q = 0, as the twin computes it).
 JC_HD float threelc_value(uint32_t d, float m) { return static_cast<float>(static_cast<int32_t>(d) - 1) * m; }
+
+// ---------------------------------------------------------------------------
+// Buffer sizes and checks
+// ---------------------------------------------------------------------------
+// Stream bytes per block of the CUDA scans; it sizes the work buffer. Must
+// match BLOCK_BYTES in jaxcomp/codecs/threelc.py.
+constexpr int64_t kTlcBlockBytes = 4096;
+// Control words at the start of the CUDA part of the work buffer.
+constexpr int64_t kTlcCtrlWords = 8;
+
+// Buffers of n elements and a stream of `capacity` bytes: the stream and one
+// scale, length and overflow flag are the payload; `work` (uint8) holds the
+// M base-3^5 bytes, rounded up to 8, then the CUDA scans' control words and
+// two int64 counters per block (the CPU uses only the bytes).
+struct ThreelcSizes {
+  int64_t bytes;   // M = ceil(n / 5) base-3^5 bytes
+  int64_t blocks;  // blocks of kTlcBlockBytes over the longer of M and the stream
+  int64_t work;
+};
+
+JC_HD ThreelcSizes threelc_sizes(int64_t n, int64_t capacity) {
+  const int64_t m = base3_bytes(n);
+  const int64_t longer = m > capacity ? m : capacity;
+  const int64_t blocks = (longer + kTlcBlockBytes - 1) / kTlcBlockBytes;
+  return ThreelcSizes{m, blocks, (m + 7) / 8 * 8 + 4 * kTlcCtrlWords + 2 * 8 * blocks};
+}
+
+// The sparsity multiplier s, passed as its float32 bits.
+JC_HD float threelc_sparsity(int64_t bits) { return bits_f32(static_cast<uint32_t>(bits)); }
+
+// The checks both directions share, after the element type and count.
+inline const char* threelc_check_buffers(int64_t n, int64_t capacity, int64_t scale, int64_t length,
+                                         int64_t overflow, int64_t work) {
+  if (scale != 1 || length != 1 || overflow != 1) return "scale, length and overflow must have one element each";
+  if (work < threelc_sizes(n, capacity).work) return "work buffer is too small";
+  return nullptr;
+}
+
+// x of n elements -> stream of `capacity` bytes, scale, length, overflow, work.
+inline const char* threelc_check_encode(DType x, int64_t n, int64_t sparsity_bits, int64_t capacity, int64_t scale,
+                                        int64_t length, int64_t overflow, int64_t work) {
+  if (x == DType::kOther) return kBadInputType;
+  if (n >= kElementLimit) return kTooManyInputs;
+  if (sparsity_bits < 0 || sparsity_bits > 0xffffffffll) return "sparsity_bits must be float32 bits";
+  const float s = threelc_sparsity(sparsity_bits);
+  if (!(s >= 1.0f && s < 2.0f)) return "sparsity must be in [1.0, 2.0)";
+  return threelc_check_buffers(n, capacity, scale, length, overflow, work);
+}
+
+// Stream of `capacity` bytes, scale, length, overflow -> out of n elements, work.
+inline const char* threelc_check_decode(DType out, int64_t n, int64_t capacity, int64_t scale, int64_t length,
+                                        int64_t overflow, int64_t work) {
+  if (out == DType::kOther) return kBadOutputType;
+  if (n >= kElementLimit) return "outputs are limited to 2^32 - 1 elements";
+  return threelc_check_buffers(n, capacity, scale, length, overflow, work);
+}
 
 }  // namespace jaxcomp

@@ -1,7 +1,7 @@
 // 3LC on CUDA (Lim, Andersen, Kaminsky, SysML 2019, section 3): the FFI
 // targets jaxcomp_threelc_encode and jaxcomp_threelc_decode, with the buffers,
-// checks and bytes of ffi/threelc_ops.cc. Bodies in
-// ffi/include/jaxcomp/threelc.h; twin in jaxcomp/ops/threelc.py.
+// checks and bytes of ffi/threelc.cc. Bodies, sizes and checks in
+// ffi/include/jaxcomp/threelc.h; twin in jaxcomp/codecs/threelc.py.
 //
 // Everything stays on the device and on XLA's stream; nothing synchronizes.
 // The work buffer (an extra output the Python side drops) holds the base-3^5
@@ -32,52 +32,38 @@
 
 #include "cuda_runtime.cuh"
 #include "jaxcomp/threelc.h"
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
 
 namespace jaxcomp {
 namespace cuda {
 namespace {
 
-// Must match BLOCK_BYTES in jaxcomp/ops/threelc.py (it sizes the work buffer).
-constexpr int64_t kBlockBytes = 4096;
+constexpr int64_t kBlockBytes = kTlcBlockBytes;
 constexpr int kPerThread = static_cast<int>(kBlockBytes / kThreads);  // 16
-constexpr int kCtrlWords = 8;
 
-// Control words: [0] max abs bits, [1] decode status (0 ok, else NaN output).
+// The work buffer (threelc.h: ThreelcSizes) carved up. Control words: [0]
+// max abs bits, [1] decode status (0 ok, else NaN output), [2..3] the total.
 struct Work {
   uint8_t* bytes;    // M base-3^5 bytes
-  uint32_t* ctrl;    // kCtrlWords
+  uint32_t* ctrl;    // kTlcCtrlWords
   int64_t* a;        // per-block counters
   int64_t* b;
-  int64_t blocks;
+  int64_t* total;
 };
 
 inline int64_t blocks_for(int64_t bytes) { return (bytes + kBlockBytes - 1) / kBlockBytes; }
 
-inline int64_t work_bytes_needed(int64_t M, int64_t blocks) {
-  return ((M + 7) / 8) * 8 + 4 * kCtrlWords + 2 * 8 * blocks;
-}
-
-inline Work carve(uint8_t* base, int64_t M, int64_t blocks) {
+inline Work carve(uint8_t* base, const ThreelcSizes& sz) {
   Work w;
   w.bytes = base;
-  uint8_t* p = base + ((M + 7) / 8) * 8;
+  uint8_t* p = base + (sz.bytes + 7) / 8 * 8;
   w.ctrl = reinterpret_cast<uint32_t*>(p);
-  w.a = reinterpret_cast<int64_t*>(p + 4 * kCtrlWords);
-  w.b = w.a + blocks;
-  w.blocks = blocks;
+  w.a = reinterpret_cast<int64_t*>(p + 4 * kTlcCtrlWords);
+  w.b = w.a + sz.blocks;
+  w.total = reinterpret_cast<int64_t*>(w.ctrl + 2);
   return w;
 }
 
 inline unsigned grid(int64_t blocks) { return static_cast<unsigned>(blocks < 1 ? 1 : blocks); }
-
-unsigned items(int64_t count) {
-  constexpr int64_t kMaxBlocks = 8192;
-  const int64_t b = (count + kThreads - 1) / kThreads;
-  return static_cast<unsigned>(b < 1 ? 1 : (b < kMaxBlocks ? b : kMaxBlocks));
-}
 
 struct PlusI64 {
   __device__ __forceinline__ int64_t operator()(int64_t a, int64_t b) const { return a + b; }
@@ -174,12 +160,10 @@ __device__ __forceinline__ int64_t thread_run_start(const uint8_t* b, int64_t M,
   return prev + 1;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    count_kernel(const uint8_t* b, int64_t M, const int64_t* carry, int64_t* counts) {
-  __shared__ typename Scan::TempStorage tmp;
-  __shared__ typename Reduce::TempStorage rtmp;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
-  int64_t start = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
+// Output bytes of the thread's bytes [base, base + kPerThread): one per
+// literal and one per chunk head (a 121 at run position p, p % 14 == 0),
+// given where the run through its first byte started.
+__device__ __forceinline__ int64_t thread_emits(const uint8_t* b, int64_t M, int64_t base, int64_t start) {
   int64_t c = 0;
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t i = base + k;
@@ -191,6 +175,15 @@ __global__ void __launch_bounds__(kThreads)
       c += (i - start) % kTlcMaxRun == 0;
     }
   }
+  return c;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    count_kernel(const uint8_t* b, int64_t M, const int64_t* carry, int64_t* counts) {
+  __shared__ typename Scan::TempStorage tmp;
+  __shared__ typename Reduce::TempStorage rtmp;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
+  const int64_t c = thread_emits(b, M, base, thread_run_start(b, M, base, carry[blockIdx.x], tmp));
   const int64_t total = Reduce(rtmp).Sum(c);
   if (threadIdx.x == 0) counts[blockIdx.x] = total;
 }
@@ -200,22 +193,10 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ typename Scan::TempStorage tmp;
   const int64_t base = static_cast<int64_t>(blockIdx.x) * kBlockBytes + threadIdx.x * kPerThread;
   const int64_t start0 = thread_run_start(b, M, base, carry[blockIdx.x], tmp);
-  int64_t start = start0;
-  int64_t c = 0;
-  for (int k = 0; k < kPerThread; ++k) {
-    const int64_t i = base + k;
-    if (i >= M) break;
-    if (b[i] != kTlcZero) {
-      start = i + 1;
-      ++c;
-    } else {
-      c += (i - start) % kTlcMaxRun == 0;
-    }
-  }
   int64_t o;
-  Scan(tmp).ExclusiveSum(c, o);
+  Scan(tmp).ExclusiveSum(thread_emits(b, M, base, start0), o);
   o += offs[blockIdx.x];
-  start = start0;
+  int64_t start = start0;
   for (int k = 0; k < kPerThread; ++k) {
     const int64_t i = base + k;
     if (i >= M) break;
@@ -324,38 +305,36 @@ ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<f
                       ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
                       ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
   const char* op = "jaxcomp_threelc_encode";
-  if (!is_float(x.element_type())) return invalid(op, "input must be float32, bfloat16 or float16");
-  const int64_t n = x.element_count();
-  if (n >= (int64_t{1} << 32)) return invalid(op, "inputs are limited to 2^32 - 1 elements");
-  if (sparsity_bits < 0 || sparsity_bits > 0xffffffffll) return invalid(op, "sparsity_bits must be float32 bits");
-  const float s = bits_f32(static_cast<uint32_t>(sparsity_bits));
-  if (!(s >= 1.0f && s < 2.0f)) return invalid(op, "sparsity must be in [1.0, 2.0)");
-  const int64_t M = base3_bytes(n);
-  if (count(*scale) != 1 || count(*length) != 1 || count(*overflow) != 1)
-    return invalid(op, "scale, length and overflow must have one element each");
-  const int64_t cap = count(*out);
-  const int64_t blocks = blocks_for(M > cap ? M : cap);
-  if (count(*work) < work_bytes_needed(M, blocks)) return invalid(op, "work buffer is too small");
-  Work w = carve(work->typed_data(), M, blocks);
-  uint8_t* o = out->typed_data();
-  int64_t* total = reinterpret_cast<int64_t*>(w.ctrl + 2);
-  cudaMemsetAsync(w.ctrl, 0, 4 * kCtrlWords, stream);
-  if (cap > 0) cudaMemsetAsync(o, 0, cap, stream);
+  const Batch b(x, *out, *scale, *length, *overflow, *work);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0), cap = b.count(1);
+  if (const char* e = b.check(
+          threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5))))
+    return invalid(op, e);
+  const float s = threelc_sparsity(sparsity_bits);
+  const ThreelcSizes sz = threelc_sizes(n, cap);
+  const int64_t M = sz.bytes;
   const int64_t mb = blocks_for(M);
-  with_type(x.element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    max_kernel<T><<<items(n), kThreads, 0, stream>>>(xd, n, w.ctrl);
-    pack_kernel<T><<<items(M), kThreads, 0, stream>>>(xd, n, M, s, w.ctrl, w.bytes, scale->typed_data());
-  });
-  if (M > 0) {
-    last_nz_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, mb, int64_t{-1}, MaxI64(), nullptr);
-    count_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.b, mb, int64_t{0}, PlusI64(), total);
-    write_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b, o, cap);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const Work w = carve(b.at<uint8_t>(5, i), sz);
+    uint8_t* o = b.at<uint8_t>(1, i);
+    cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
+    if (cap > 0) cudaMemsetAsync(o, 0, cap, stream);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      const T* xd = b.at<const T>(0, i);
+      max_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(xd, n, w.ctrl);
+      pack_kernel<T><<<item_blocks(M), kThreads, 0, stream>>>(xd, n, M, s, w.ctrl, w.bytes, b.at<float>(2, i));
+    });
+    if (M > 0) {
+      last_nz_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.a, mb, int64_t{-1}, MaxI64(), nullptr);
+      count_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.b, mb, int64_t{0}, PlusI64(), w.total);
+      write_kernel<<<grid(mb), kThreads, 0, stream>>>(w.bytes, M, w.a, w.b, o, cap);
+    }
+    finish_encode_kernel<<<1, 1, 0, stream>>>(w.total, cap, b.at<int32_t>(3, i), b.at<uint8_t>(4, i));
   }
-  finish_encode_kernel<<<1, 1, 0, stream>>>(total, cap, length->typed_data(), overflow->typed_data());
   return launched(op);
 }
 
@@ -363,33 +342,31 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> in, ffi::Buffer<
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
   const char* op = "jaxcomp_threelc_decode";
-  if (!is_float(out->element_type())) return invalid(op, "output must be float32, bfloat16 or float16");
-  const int64_t n = out->element_count();
-  if (n >= (int64_t{1} << 32)) return invalid(op, "outputs are limited to 2^32 - 1 elements");
-  const int64_t M = base3_bytes(n);
-  if (count(scale) != 1 || count(length) != 1 || count(overflow) != 1)
-    return invalid(op, "scale, length and overflow must have one element each");
-  const int64_t cap = count(in);
-  const int64_t blocks = blocks_for(M > cap ? M : cap);
-  if (count(*work) < work_bytes_needed(M, blocks)) return invalid(op, "work buffer is too small");
-  Work w = carve(work->typed_data(), M, blocks);
-  int64_t* total = reinterpret_cast<int64_t*>(w.ctrl + 2);
-  cudaMemsetAsync(w.ctrl, 0, 4 * kCtrlWords, stream);
+  const Batch b(in, scale, length, overflow, *out, *work);
+  const DType dt = dtype_of(out->element_type());
+  const int64_t n = b.count(4), cap = b.count(0);
+  if (const char* e = b.check(threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5))))
+    return invalid(op, e);
+  const ThreelcSizes sz = threelc_sizes(n, cap);
+  const int64_t M = sz.bytes;
   const int64_t sb = blocks_for(cap);
-  if (cap > 0) {
-    expand_count_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl);
-    scan_kernel<<<1, kThreads, 0, stream>>>(w.a, sb, int64_t{0}, PlusI64(), total);
+  for (int64_t i = 0; i < b.size(); ++i) {
+    const Work w = carve(b.at<uint8_t>(5, i), sz);
+    const uint8_t* s = b.at<const uint8_t>(0, i);
+    const int32_t* len = b.at<const int32_t>(2, i);
+    cudaMemsetAsync(w.ctrl, 0, 4 * kTlcCtrlWords, stream);
+    if (cap > 0) {
+      expand_count_kernel<<<grid(sb), kThreads, 0, stream>>>(s, len, cap, w.a, w.ctrl);
+      scan_kernel<<<1, kThreads, 0, stream>>>(w.a, sb, int64_t{0}, PlusI64(), w.total);
+    }
+    check_kernel<<<1, 1, 0, stream>>>(len, b.at<const uint8_t>(3, i), cap, M, w.total, w.ctrl);
+    if (cap > 0) expand_kernel<<<grid(sb), kThreads, 0, stream>>>(s, len, cap, w.a, w.ctrl, w.bytes, M);
+    with_type(dt, [&](auto tag) {
+      using T = decltype(tag);
+      dequant_kernel<T><<<item_blocks(n), kThreads, 0, stream>>>(w.bytes, b.at<const float>(1, i), w.ctrl,
+                                                                 b.at<T>(4, i), n, M);
+    });
   }
-  check_kernel<<<1, 1, 0, stream>>>(length.typed_data(), overflow.typed_data(), cap, M, total, w.ctrl);
-  if (cap > 0) {
-    expand_kernel<<<grid(sb), kThreads, 0, stream>>>(in.typed_data(), length.typed_data(), cap, w.a, w.ctrl,
-                                                     w.bytes, M);
-  }
-  with_type(out->element_type(), [&](auto tag) {
-    using T = decltype(tag);
-    dequant_kernel<T><<<items(n), kThreads, 0, stream>>>(w.bytes, scale.typed_data(), w.ctrl,
-                                                         static_cast<T*>(out->untyped_data()), n, M);
-  });
   return launched(op);
 }
 
@@ -418,9 +395,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcDecode, jaxcomp::cuda::DecodeImp
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Ret<ffi::Buffer<ffi::U8>>());  // work
 
-namespace jaxcomp {
-std::vector<HandlerEntry> threelc_cuda_handlers() {
-  return {{"jaxcomp_threelc_encode", reinterpret_cast<void*>(JaxcompCudaThreelcEncode)},
-          {"jaxcomp_threelc_decode", reinterpret_cast<void*>(JaxcompCudaThreelcDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompCudaThreelcEncode);
+JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompCudaThreelcDecode);

@@ -1,6 +1,6 @@
 // 3LC on the CPU (Lim, Andersen, Kaminsky, SysML 2019, section 3): the FFI
-// targets jaxcomp_threelc_encode and jaxcomp_threelc_decode. Bodies in
-// include/jaxcomp/threelc.h; twin in jaxcomp/ops/threelc.py.
+// targets jaxcomp_threelc_encode and jaxcomp_threelc_decode. Bodies, sizes
+// and checks in include/jaxcomp/threelc.h; twin in jaxcomp/codecs/threelc.py.
 //
 // Encode, each pass threaded:
 //   1. max|x| over the elements (integer max of abs bits: order-free);
@@ -16,8 +16,11 @@
 // Decode: count each partition's expanded size and check it (canonical
 // pairs, also across partition boundaries), prefix sum, check the total,
 // expand into the work buffer, then dequantize over the elements.
+#include <atomic>
 #include <cstring>
 #include <limits>
+#include <string>
+#include <vector>
 
 #include "cpu_runtime.h"
 #include "jaxcomp/threelc.h"
@@ -34,7 +37,7 @@ int64_t num_parts(int64_t bytes) { return std::max<int64_t>(1, std::min<int64_t>
 // Kernels
 // ---------------------------------------------------------------------------
 template <typename T>
-uint32_t max_abs_bits(const T* x, int64_t i0, int64_t i1) {
+JC_CPU_LOOP uint32_t max_abs_bits(const T* x, int64_t i0, int64_t i1) {
   uint32_t m = 0;
   for (int64_t i = i0; i < i1; ++i) m = std::max(m, abs_bits(to_f32(x[i])));
   return m;
@@ -47,7 +50,7 @@ uint32_t digit_at(const T* x, int64_t n, int64_t e, float m) {
 
 // Bytes [i0, i1) of the base-3^5 packing of the digits.
 template <typename T>
-void pack_bytes(const T* x, int64_t n, int64_t M, float m, int64_t i0, int64_t i1, uint8_t* b) {
+JC_CPU_LOOP void pack_bytes(const T* x, int64_t n, int64_t M, float m, int64_t i0, int64_t i1, uint8_t* b) {
   // Below `full`, all five planes hold real elements (the padding is at the
   // end of plane 4).
   const int64_t full = std::max<int64_t>(0, std::min<int64_t>(i1, n - 4 * M));
@@ -120,7 +123,7 @@ void dequant_run(const uint8_t* in, float m, int64_t run, T* out) {
 
 // Elements [e0, e1) from the expanded base-3^5 bytes.
 template <typename T>
-void dequant(const uint8_t* b, int64_t M, float m, int64_t e0, int64_t e1, T* out) {
+JC_CPU_LOOP void dequant(const uint8_t* b, int64_t M, float m, int64_t e0, int64_t e1, T* out) {
   int64_t e = e0;
   while (e < e1) {
     const int64_t plane = e / M;
@@ -137,104 +140,50 @@ void dequant(const uint8_t* b, int64_t M, float m, int64_t e0, int64_t e1, T* ou
   }
 }
 
-// AVX2 builds of the hot loops (flatten inlines the loops into them, so they
-// vectorize with 32-byte vectors), chosen at run time like the kernel tables
-// of cpu_ops.cc. Same arithmetic: only the vector width changes.
-#if defined(JAXCOMP_HAVE_AVX2) && defined(JAXCOMP_X86)
-#define JC_TLC_AVX2 1
-template <typename T>
-__attribute__((target("avx2"), flatten)) uint32_t max_abs_bits_avx2(const T* x, int64_t i0, int64_t i1) {
-  return max_abs_bits<T>(x, i0, i1);
-}
-template <typename T>
-__attribute__((target("avx2"), flatten)) void pack_bytes_avx2(const T* x, int64_t n, int64_t M, float m, int64_t i0,
-                                                              int64_t i1, uint8_t* b) {
-  pack_bytes<T>(x, n, M, m, i0, i1, b);
-}
-template <typename T>
-__attribute__((target("avx2"), flatten)) void dequant_avx2(const uint8_t* b, int64_t M, float m, int64_t e0,
-                                                           int64_t e1, T* out) {
-  dequant<T>(b, M, m, e0, e1, out);
-}
-bool use_avx2() {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
-#endif
-
-template <typename T>
-uint32_t max_abs_bits_isa(const T* x, int64_t i0, int64_t i1) {
-#if defined(JC_TLC_AVX2)
-  if (use_avx2()) return max_abs_bits_avx2<T>(x, i0, i1);
-#endif
-  return max_abs_bits<T>(x, i0, i1);
-}
-
-template <typename T>
-void pack_bytes_isa(const T* x, int64_t n, int64_t M, float m, int64_t i0, int64_t i1, uint8_t* b) {
-#if defined(JC_TLC_AVX2)
-  if (use_avx2()) return pack_bytes_avx2<T>(x, n, M, m, i0, i1, b);
-#endif
-  pack_bytes<T>(x, n, M, m, i0, i1, b);
-}
-
-template <typename T>
-void dequant_isa(const uint8_t* b, int64_t M, float m, int64_t e0, int64_t e1, T* out) {
-#if defined(JC_TLC_AVX2)
-  if (use_avx2()) return dequant_avx2<T>(b, M, m, e0, e1, out);
-#endif
-  dequant<T>(b, M, m, e0, e1, out);
-}
-
 template <typename T>
 void fill(T* out, int64_t e0, int64_t e1, T v) {
   for (int64_t e = e0; e < e1; ++e) out[e] = v;
 }
 
-// Runs fn(tag) with tag a value of the storage type of dtype.
-template <typename Fn>
-void with_type(DType dt, Fn&& fn) {
-  switch (dt) {
-    case DType::kF32: return fn(float{});
-    case DType::kBF16: return fn(bf16_t{});
-    case DType::kF16: return fn(f16_t{});
-  }
-}
+// One tensor of n elements and its stream of `cap` bytes.
+struct EncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  float s;
+  uint8_t* stream;
+  int64_t cap;
+  float* scale;
+  int32_t* length;
+  uint8_t* overflow;
+  uint8_t* work;
+};
 
-bool valid_sparsity(float s) { return s >= 1.0f && s < 2.0f; }
+struct DecodeArgs {
+  DType dtype;
+  const uint8_t* stream;
+  int64_t cap;
+  const float* scale;
+  const int32_t* length;
+  const uint8_t* overflow;
+  void* out;
+  int64_t n;
+  uint8_t* work;
+};
 
-// ---------------------------------------------------------------------------
-// Handlers
-// ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> stream,
-                      ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
-                      ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
-  const char* op = "jaxcomp_threelc_encode";
-  DType dt;
-  if (!to_dtype(x.element_type(), &dt)) return invalid(op, "input must be float32, bfloat16 or float16");
-  const int64_t n = x.element_count();
-  if (n >= (int64_t{1} << 32)) return invalid(op, "inputs are limited to 2^32 - 1 elements");
-  if (sparsity_bits < 0 || sparsity_bits > 0xffffffffll) return invalid(op, "sparsity_bits must be float32 bits");
-  const float s = bits_f32(static_cast<uint32_t>(sparsity_bits));
-  if (!valid_sparsity(s)) return invalid(op, "sparsity must be in [1.0, 2.0)");
+void encode(Runner& runner, const EncodeArgs& a) {
+  const int64_t n = a.n, cap = a.cap;
   const int64_t M = base3_bytes(n);
-  if (scale->element_count() != 1 || length->element_count() != 1 || overflow->element_count() != 1)
-    return invalid(op, "scale, length and overflow must have one element each");
-  if (static_cast<int64_t>(work->element_count()) < M) return invalid(op, "work buffer is too small");
-  const int64_t cap = stream->element_count();
-  uint8_t* out = stream->typed_data();
-  uint8_t* b = work->typed_data();
+  uint8_t* out = a.stream;
+  uint8_t* b = a.work;
 
   // 1. The scale.
   std::atomic<uint32_t> mx{0};
-  with_type(dt, [&](auto tag) {
+  with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    parallel_for(pool, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
-      const uint32_t local = max_abs_bits_isa<T>(xd, i0, i1);
+    const T* xd = static_cast<const T*>(a.x);
+    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+      const uint32_t local = max_abs_bits<T>(xd, i0, i1);
       uint32_t cur = mx.load();
       while (local > cur && !mx.compare_exchange_weak(cur, local)) {
       }
@@ -243,81 +192,70 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<
   float m;
   {
     FlushDenormals fd;  // as XLA computes the product
-    m = threelc_scale(mx.load(), s);
+    m = threelc_scale(mx.load(), a.s);
   }
-  scale->typed_data()[0] = m;
+  a.scale[0] = m;
 
   // 2. Quantize and pack.
-  with_type(dt, [&](auto tag) {
+  with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* xd = static_cast<const T*>(x.untyped_data());
-    parallel_for(pool, M, kElementsPerTask / 5,
-                 [&](int64_t i0, int64_t i1) { pack_bytes_isa<T>(xd, n, M, m, i0, i1, b); });
+    const T* xd = static_cast<const T*>(a.x);
+    parallel_for(runner, M, kElementsPerTask / 5,
+                 [&](int64_t i0, int64_t i1) { pack_bytes<T>(xd, n, M, m, i0, i1, b); });
   });
 
   // 3. Zero-run encoding: count per partition, prefix sum, write.
   const int64_t parts = num_parts(M);
   std::vector<int64_t> offs(parts + 1, 0);
   auto part_begin = [&](int64_t p) { return p * M / parts; };
-  parallel_for(pool, parts, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(runner, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
       offs[p + 1] = zre_part<false>(b, M, part_begin(p), part_begin(p + 1), nullptr, 0, 0);
   });
   for (int64_t p = 0; p < parts; ++p) offs[p + 1] += offs[p];
   const int64_t total = offs[parts];
-  parallel_for(pool, parts, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(runner, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) zre_part<true>(b, M, part_begin(p), part_begin(p + 1), out, offs[p], cap);
   });
   if (total < cap) std::memset(out + total, 0, cap - total);
-  length->typed_data()[0] = static_cast<int32_t>(total);
-  overflow->typed_data()[0] = total > cap ? 1 : 0;
-  return ffi::Error::Success();
+  a.length[0] = static_cast<int32_t>(total);
+  a.overflow[0] = total > cap ? 1 : 0;
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
-                      ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::ResultBuffer<ffi::U8> work) {
-  const char* op = "jaxcomp_threelc_decode";
-  DType dt;
-  if (!to_dtype(out->element_type(), &dt)) return invalid(op, "output must be float32, bfloat16 or float16");
-  const int64_t n = out->element_count();
-  if (n >= (int64_t{1} << 32)) return invalid(op, "outputs are limited to 2^32 - 1 elements");
+// Returns "" or what makes the stream corrupted.
+std::string decode(Runner& runner, const DecodeArgs& a) {
+  const int64_t n = a.n, cap = a.cap;
   const int64_t M = base3_bytes(n);
-  if (scale.element_count() != 1 || length.element_count() != 1 || overflow.element_count() != 1)
-    return invalid(op, "scale, length and overflow must have one element each");
-  if (static_cast<int64_t>(work->element_count()) < M) return invalid(op, "work buffer is too small");
-  const int64_t cap = stream.element_count();
-  const int64_t used = length.typed_data()[0];
-  const uint32_t flag = overflow.typed_data()[0];
-  if (used < 0) return invalid(op, "corrupted stream: negative length");
-  if (flag > 1) return invalid(op, "corrupted stream: overflow flag is not 0 or 1");
+  const int64_t used = a.length[0];
+  const uint32_t flag = a.overflow[0];
+  if (used < 0) return "corrupted stream: negative length";
+  if (flag > 1) return "corrupted stream: overflow flag is not 0 or 1";
   if ((flag == 1) != (used > cap)) {
-    return invalid(op, flag == 1 ? "corrupted stream: overflow flag set but the length fits the buffer"
-                                 : "corrupted stream: length " + std::to_string(used) + " exceeds the buffer (" +
-                                       std::to_string(cap) + " bytes)");
+    return flag == 1 ? "corrupted stream: overflow flag set but the length fits the buffer"
+                     : "corrupted stream: length " + std::to_string(used) + " exceeds the buffer (" +
+                           std::to_string(cap) + " bytes)";
   }
-  void* o = out->untyped_data();
-  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+  void* o = a.out;
   if (flag == 1) {
     // Overflowed: the stream is incomplete; NaN everywhere, never plausible numbers.
-    with_type(dt, [&](auto tag) {
+    with_type(a.dtype, [&](auto tag) {
       using T = decltype(tag);
       const T nan = from_f32<T>(std::numeric_limits<float>::quiet_NaN());
-      parallel_for(pool, n, kElementsPerTask,
+      parallel_for(runner, n, kElementsPerTask,
                    [&](int64_t e0, int64_t e1) { fill<T>(static_cast<T*>(o), e0, e1, nan); });
     });
-    return ffi::Error::Success();
+    return "";
   }
-  const uint8_t* in = stream.typed_data();
-  uint8_t* b = work->typed_data();
-  const float m = scale.typed_data()[0];
+  const uint8_t* in = a.stream;
+  uint8_t* b = a.work;
+  const float m = a.scale[0];
 
   // Expanded size and canonical form of each partition of the stream.
   const int64_t parts = num_parts(used);
   std::vector<int64_t> offs(parts + 1, 0);
   std::vector<int64_t> bad(parts, -1);
   auto part_begin = [&](int64_t p) { return p * used / parts; };
-  parallel_for(pool, parts, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(runner, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t i0 = part_begin(p), i1 = part_begin(p + 1);
       int64_t cnt = 0;
@@ -339,16 +277,16 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Bu
   });
   for (int64_t p = 0; p < parts; ++p) {
     if (bad[p] >= 0)
-      return invalid(op, "corrupted stream: byte " + std::to_string(bad[p]) + " (" + std::to_string(in[bad[p]]) +
-                             ") cannot follow " + std::to_string(in[bad[p] - 1]) + " in a zero-run encoding");
+      return "corrupted stream: byte " + std::to_string(bad[p]) + " (" + std::to_string(in[bad[p]]) +
+             ") cannot follow " + std::to_string(in[bad[p] - 1]) + " in a zero-run encoding";
     offs[p + 1] += offs[p];
   }
   if (offs[parts] != M) {
-    return invalid(op, "corrupted stream: it expands to " + std::to_string(offs[parts]) + " base-3^5 bytes, " +
-                           std::to_string(n) + " elements need " + std::to_string(M));
+    return "corrupted stream: it expands to " + std::to_string(offs[parts]) + " base-3^5 bytes, " +
+           std::to_string(n) + " elements need " + std::to_string(M);
   }
   // Expand (every offset is now within [0, M]).
-  parallel_for(pool, parts, 1, [&](int64_t p0, int64_t p1) {
+  parallel_for(runner, parts, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       int64_t w = offs[p];
       for (int64_t i = part_begin(p), i1 = part_begin(p + 1); i < i1; ++i) {
@@ -363,18 +301,54 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Bu
       }
     }
   });
-  with_type(dt, [&](auto tag) {
+  with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    parallel_for(pool, n, kElementsPerTask,
-                 [&](int64_t e0, int64_t e1) { dequant_isa<T>(b, M, m, e0, e1, static_cast<T*>(o)); });
+    parallel_for(runner, n, kElementsPerTask,
+                 [&](int64_t e0, int64_t e1) { dequant<T>(b, M, m, e0, e1, static_cast<T*>(o)); });
   });
-  return ffi::Error::Success();
+  return "";
+}
+
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> stream,
+                      ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
+                      ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
+  const Batch b(x, *stream, *scale, *length, *overflow, *work);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0), cap = b.count(1);
+  const char* error =
+      threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5));
+  return run_batch(pool, "jaxcomp_threelc_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, threelc_sparsity(sparsity_bits), b.at<uint8_t>(1, i), cap,
+                              b.at<float>(2, i), b.at<int32_t>(3, i), b.at<uint8_t>(4, i), b.at<uint8_t>(5, i)});
+  });
+}
+
+// A corrupted stream in any entry fails the call, with the first such
+// entry's reason.
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
+                      ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::ResultBuffer<ffi::U8> work) {
+  const char* op = "jaxcomp_threelc_decode";
+  const Batch b(stream, scale, length, overflow, *out, *work);
+  const DType dt = dtype_of(out->element_type());
+  const int64_t n = b.count(4), cap = b.count(0);
+  const char* error = threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5));
+  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  std::vector<std::string> corrupted(b.error() == nullptr && error == nullptr ? b.size() : 0);
+  const ffi::Error result = run_batch(pool, op, b, error, n, [&](int64_t i, Runner& runner) {
+    corrupted[i] = decode(runner, DecodeArgs{dt, b.at<uint8_t>(0, i), cap, b.at<float>(1, i), b.at<int32_t>(2, i),
+                                             b.at<uint8_t>(3, i), b.at<void>(4, i), n, b.at<uint8_t>(5, i)});
+  });
+  for (const std::string& why : corrupted)
+    if (!why.empty()) return invalid(op, why);
+  return result;
 }
 
 }  // namespace
 }  // namespace jaxcomp
-
-namespace ffi = xla::ffi;
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThreelcEncode, jaxcomp::EncodeImpl,
                               ffi::Ffi::Bind()
@@ -397,9 +371,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThreelcDecode, jaxcomp::DecodeImpl,
                                   .Ret<ffi::AnyBuffer>()          // flat output
                                   .Ret<ffi::Buffer<ffi::U8>>());  // work: expanded base-3^5 bytes
 
-namespace jaxcomp {
-std::vector<HandlerEntry> threelc_cpu_handlers() {
-  return {{"jaxcomp_threelc_encode", reinterpret_cast<void*>(JaxcompThreelcEncode)},
-          {"jaxcomp_threelc_decode", reinterpret_cast<void*>(JaxcompThreelcDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompThreelcEncode);
+JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompThreelcDecode);

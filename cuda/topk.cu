@@ -1,6 +1,7 @@
 // TopK sparsification on the GPU (Renggli et al., "SparCML", SC19): the
-// selection rules of ffi/include/jaxcomp/topk.h, giving the CPU handlers'
-// bytes (ffi/topk_ops.cc).
+// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
+// sizes and checks of ffi/include/jaxcomp/topk.h, giving the CPU handlers'
+// bytes (ffi/topk.cc).
 //
 // Whole-tensor mode: a radix select of the k-th largest key T, 8 bits per
 // round (4 rounds for float32 keys, 2 for 16-bit ones), each round a
@@ -20,7 +21,6 @@
 #include <cstdint>
 #include <optional>
 #include <string>
-#include <vector>
 
 #include "cuda_runtime.cuh"
 #include "jaxcomp/topk.h"
@@ -78,16 +78,9 @@ __global__ void radix_hist_kernel(const W* __restrict__ x, int64_t n, SelectStat
 
 // One thread: the digit of this round, scanning from the top.
 __global__ void radix_pick_kernel(SelectState* st, int shift) {
-  unsigned long long cum = 0;
-  int d = 0;
-  for (int b = 255; b >= 0; --b) {
-    if (cum + st->hist[b] >= st->remaining) {
-      d = b;
-      break;
-    }
-    cum += st->hist[b];
-  }
-  st->remaining -= cum;
+  unsigned long long above = 0;
+  const int d = topk_find_bin(st->hist, 256, st->remaining, &above);
+  st->remaining -= above;
   st->prefix |= static_cast<uint32_t>(d) << shift;
   st->mask |= 255u << shift;
   for (int b = 0; b < 256; ++b) st->hist[b] = 0;
@@ -148,8 +141,7 @@ __global__ void tile_scan_kernel(const uint32_t* __restrict__ gt, const uint32_t
   unsigned long long seen = part[threadIdx.x], sel = 0;
   for (int64_t t = t0; t < t1; ++t) {
     eq0[t] = seen;
-    const unsigned long long left = need_eq > seen ? need_eq - seen : 0;
-    sel += gt[t] + (eq[t] < left ? eq[t] : left);
+    sel += topk_part_emits(gt[t], eq[t], need_eq, seen);
     seen += eq[t];
   }
   __syncthreads();
@@ -158,8 +150,7 @@ __global__ void tile_scan_kernel(const uint32_t* __restrict__ gt, const uint32_t
   unsigned long long pos = part[threadIdx.x];
   for (int64_t t = t0; t < t1; ++t) {
     out0[t] = pos;
-    const unsigned long long left = need_eq > eq0[t] ? need_eq - eq0[t] : 0;
-    pos += gt[t] + (eq[t] < left ? eq[t] : left);
+    pos += topk_part_emits(gt[t], eq[t], need_eq, eq0[t]);
   }
 }
 
@@ -197,7 +188,7 @@ __device__ void emit_range(const W* __restrict__ x, int64_t i0, int64_t i1, uint
     const bool is_eq = in && key == t;
     unsigned int eq_total = 0, sel_total = 0;
     const unsigned int eq_rank = block_prefix(is_eq, warp_sums, &eq_total);
-    const bool chosen = in && (key > t || (is_eq && eq_base + eq_rank < need_eq));
+    const bool chosen = in && topk_chosen(key, t, eq_base + eq_rank, need_eq);
     const unsigned int pos = block_prefix(chosen, warp_sums, &sel_total);
     if (chosen) {
       idx[out_base + pos] = static_cast<I>(i - index_base);
@@ -257,16 +248,9 @@ __global__ void bucket_select_kernel(const W* __restrict__ x, int64_t n, int64_t
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-      unsigned int cum = 0;
-      int d = 0;
-      for (int q = 255; q >= 0; --q) {
-        if (cum + bins[q] >= s_remaining) {
-          d = q;
-          break;
-        }
-        cum += bins[q];
-      }
-      s_remaining -= cum;
+      unsigned int above = 0;
+      const int d = topk_find_bin(bins, 256, s_remaining, &above);
+      s_remaining -= above;
       s_prefix |= static_cast<uint32_t>(d) << shift;
       s_mask |= 255u << shift;
     }
@@ -289,68 +273,25 @@ __global__ void scatter_kernel(const I* __restrict__ idx, const W* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------
-// Handlers: validation word for word as in ffi/topk_ops.cc.
+// Handlers
 // ---------------------------------------------------------------------------
-bool word_size(ffi::DataType t, int* bytes) {
-  if (!is_float(t)) return false;
-  *bytes = t == ffi::DataType::F32 ? 4 : 2;
-  return true;
-}
-
-int index_size(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::U8: return 1;
-    case ffi::DataType::U16: return 2;
-    case ffi::DataType::U32: return 4;
-    default: return 0;
-  }
-}
-
-template <typename F>
-void with_types(int wbytes, int ibytes, const F& fn) {
-  auto by_index = [&](auto w) {
-    switch (ibytes) {
-      case 1: return fn(w, uint8_t{});
-      case 2: return fn(w, uint16_t{});
-      default: return fn(w, uint32_t{});
-    }
-  };
-  if (wbytes == 4) return by_index(uint32_t{});
-  return by_index(uint16_t{});
-}
-
-std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, int ibytes) {
-  if (n >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
-  if (ibytes == 0) return "indices must be uint8, uint16 or uint32";
-  if (bucket == 0) {
-    if (n > 0 && (k < 1 || k > n)) return "k must be in [1, n]";
-    if (n == 0 && k != 0) return "k must be 0 for an empty input";
-    if (entries != k) return "index buffer must have k entries";
-    if (n > 0 && ibytes < 4 && n - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for n";
-  } else {
-    if (!valid_bucket(bucket)) return "bucket_size must be 0 or a power of two in [8, 65536]";
-    if (k < 1 || k > bucket) return "k must be in [1, bucket_size]";
-    if (entries != num_buckets(n, bucket) * k) return "index buffer must have k entries per bucket";
-    if (ibytes < 4 && bucket - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for the bucket";
-  }
-  return "";
-}
-
 unsigned grid_for(int64_t items) {
-  constexpr int64_t kMaxBlocks = 4096;
+  constexpr int64_t kMaxGrid = 4096;
   const int64_t blocks = (items + kTopkThreads - 1) / kTopkThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < kMaxBlocks ? blocks : kMaxBlocks));
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks < kMaxGrid ? blocks : kMaxGrid));
+}
+
+// Scratch of the whole-tensor select for n elements: the state, then per-tile
+// counts (uint32) and offsets (uint64).
+size_t whole_scratch_bytes(int64_t n) {
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  return sizeof(SelectState) + 2 * tiles * sizeof(uint32_t) + 2 * tiles * sizeof(unsigned long long);
 }
 
 template <typename W, typename I>
-ffi::Error encode_whole(cudaStream_t stream, ffi::ScratchAllocator& scratch, const W* x, int64_t n, int64_t k,
-                        I* idx, W* val, const char* op) {
+void encode_whole(cudaStream_t stream, void* scratch, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   const int64_t tiles = (n + kTile - 1) / kTile;
-  // State, then per-tile counts (uint32) and offsets (uint64).
-  const size_t bytes = sizeof(SelectState) + 2 * tiles * sizeof(uint32_t) + 2 * tiles * sizeof(unsigned long long);
-  std::optional<void*> mem = scratch.Allocate(bytes, 16);
-  if (!mem.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
-  char* base = static_cast<char*>(*mem);
+  char* base = static_cast<char*>(scratch);
   SelectState* st = reinterpret_cast<SelectState*>(base);
   unsigned long long* out0 = reinterpret_cast<unsigned long long*>(base + sizeof(SelectState));
   unsigned long long* eq0 = out0 + tiles;
@@ -365,61 +306,65 @@ ffi::Error encode_whole(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   tile_count_kernel<W><<<static_cast<unsigned>(tiles), kTopkThreads, 0, stream>>>(x, n, st, gt, eq);
   tile_scan_kernel<<<1, kScanThreads, 0, stream>>>(gt, eq, tiles, st, out0, eq0);
   tile_emit_kernel<W, I><<<static_cast<unsigned>(tiles), kTopkThreads, 0, stream>>>(x, n, st, out0, eq0, idx, val);
+}
+
+// The entries of a batch run one after the other on the stream, so the
+// whole-tensor mode's scratch is allocated once and reused.
+ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
+                      ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
+                      int64_t bucket) {
+  const char* op = "jaxcomp_topk_encode";
+  const Batch b(x, *indices, *values);
+  const DType dt = dtype_of(x.element_type());
+  const int ibytes = index_bytes(indices->element_type());
+  const int64_t n = b.count(0);
+  if (const char* e = b.check(topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
+                                                b.count(1), b.count(2))))
+    return invalid(op, e);
+  if (n == 0) return ffi::Error::Success();
+  void* mem = nullptr;
+  if (bucket == 0) {
+    std::optional<void*> allocated = scratch.Allocate(whole_scratch_bytes(n), 16);
+    if (!allocated.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
+    mem = *allocated;
+  }
+  topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+    using W = decltype(w);
+    using I = decltype(ix);
+    for (int64_t i = 0; i < b.size(); ++i) {
+      const W* xd = b.at<const W>(0, i);
+      if (bucket == 0) {
+        encode_whole<W, I>(stream, mem, xd, n, k, b.at<I>(1, i), b.at<W>(2, i));
+      } else {
+        bucket_select_kernel<W, I><<<static_cast<unsigned>(num_buckets(n, bucket)), kTopkThreads, 0, stream>>>(
+            xd, n, k, bucket, b.at<I>(1, i), b.at<W>(2, i));
+      }
+    }
+  });
   return launched(op);
 }
 
-ffi::Error TopkEncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
-                          ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
-                          int64_t bucket) {
-  const char* op = "jaxcomp_topk_encode";
-  int wbytes = 0;
-  if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
-  if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
-  const int ibytes = index_size(indices->element_type());
-  const int64_t n = x.element_count();
-  std::string err = check_config(n, k, bucket, indices->element_count(), ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values->element_count() != indices->element_count()) return invalid(op, "values must match indices");
-  if (n == 0) return ffi::Error::Success();
-  ffi::Error result = ffi::Error::Success();
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    const W* xd = static_cast<const W*>(x.untyped_data());
-    I* id = static_cast<I*>(indices->untyped_data());
-    W* vd = static_cast<W*>(values->untyped_data());
-    if (bucket == 0) {
-      result = encode_whole<W, I>(stream, scratch, xd, n, k, id, vd, op);
-    } else {
-      const int64_t nb = num_buckets(n, bucket);
-      bucket_select_kernel<W, I><<<static_cast<unsigned>(nb), kTopkThreads, 0, stream>>>(xd, n, k, bucket, id, vd);
-      result = launched(op);
-    }
-  });
-  return result;
-}
-
-ffi::Error TopkDecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
-  int wbytes = 0;
-  if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
-  if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
-  const int ibytes = index_size(indices.element_type());
-  const int64_t n = out->element_count();
-  const int64_t entries = indices.element_count();
-  std::string err = check_config(n, k, bucket, entries, ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values.element_count() != entries) return invalid(op, "values must match indices");
+  const Batch b(indices, values, *out);
+  const DType dt = dtype_of(out->element_type());
+  const int ibytes = index_bytes(indices.element_type());
+  const int64_t n = b.count(2), entries = b.count(0);
+  if (const char* e = b.check(topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
+                                                b.count(1))))
+    return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  cudaMemsetAsync(out->untyped_data(), 0, static_cast<size_t>(n) * wbytes, stream);
+  // One memset for the whole batch: the outputs of the entries are contiguous.
+  cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
   if (entries > 0) {
-    with_types(wbytes, ibytes, [&](auto w, auto i) {
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
       using W = decltype(w);
-      using I = decltype(i);
-      scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
-          static_cast<const I*>(indices.untyped_data()), static_cast<const W*>(values.untyped_data()), entries, n,
-          k, bucket, static_cast<W*>(out->untyped_data()));
+      using I = decltype(ix);
+      for (int64_t i = 0; i < b.size(); ++i) {
+        scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
+            b.at<const I>(0, i), b.at<const W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
+      }
     });
   }
   return launched(op);
@@ -429,28 +374,24 @@ ffi::Error TopkDecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyB
 }  // namespace cuda
 }  // namespace jaxcomp
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::TopkEncodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()  // radix-select state, tile counts
-                                  .Arg<xla::ffi::AnyBuffer>()         // x: flat f32/bf16/f16
-                                  .Ret<xla::ffi::AnyBuffer>()         // indices: u8/u16/u32, ascending
-                                  .Ret<xla::ffi::AnyBuffer>()         // values: x's dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()  // radix-select state, tile counts
+                                  .Arg<ffi::AnyBuffer>()         // x: flat f32/bf16/f16
+                                  .Ret<ffi::AnyBuffer>()         // indices: u8/u16/u32, ascending
+                                  .Ret<ffi::AnyBuffer>()         // values: x's dtype
                                   .Attr<int64_t>("k")                 // total (bucket 0) or per bucket
                                   .Attr<int64_t>("bucket_size"));      // 0: whole tensor
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::TopkDecodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // indices
-                                  .Arg<xla::ffi::AnyBuffer>()  // values
-                                  .Ret<xla::ffi::AnyBuffer>()  // flat output, values' dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // indices
+                                  .Arg<ffi::AnyBuffer>()  // values
+                                  .Ret<ffi::AnyBuffer>()  // flat output, values' dtype
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 
-namespace jaxcomp {
-std::vector<HandlerEntry> topk_cuda_handlers() {
-  return {{"jaxcomp_topk_encode", reinterpret_cast<void*>(JaxcompCudaTopkEncode)},
-          {"jaxcomp_topk_decode", reinterpret_cast<void*>(JaxcompCudaTopkDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompCudaTopkEncode);
+JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompCudaTopkDecode);

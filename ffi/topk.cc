@@ -1,5 +1,7 @@
 // TopK sparsification on the CPU (Renggli et al., "SparCML", SC19): the
-// selection rules of jaxcomp/topk.h, run without sorting the tensor.
+// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
+// sizes and checks are include/jaxcomp/topk.h's; here they run without
+// sorting the tensor. Twin: jaxcomp/codecs/topk.py.
 //
 // Whole-tensor mode: a key bound from a sample, one pass collecting the
 // elements at or above it, and an exact selection among those
@@ -29,27 +31,12 @@ namespace {
 
 constexpr int64_t kChunk = int64_t{1} << 16;  // elements per counting chunk
 
-// Runs fn(g) for g in [0, groups), one call per group, across the pool.
+// Runs fn(g) for g in [0, groups), one call per group, across the runner.
 template <typename F>
-void for_each_group(ffi::ThreadPool& pool, int64_t groups, const F& fn) {
-  parallel_for(pool, groups, 1, [&](int64_t g0, int64_t g1) {
+void for_each_group(Runner& runner, int64_t groups, const F& fn) {
+  parallel_for(runner, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) fn(g);
   });
-}
-
-// Largest bin b with #{key bins >= b} >= k, scanning from the top; *above
-// receives #{bins > b}.
-int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
-  int64_t cum = 0;
-  for (int64_t b = static_cast<int64_t>(hist.size()) - 1; b >= 0; --b) {
-    if (cum + hist[b] >= k) {
-      *above = cum;
-      return b;
-    }
-    cum += hist[b];
-  }
-  *above = cum;
-  return 0;
 }
 
 // Whole-tensor selection of k of n (0 < k <= n), in two reads of the input.
@@ -63,9 +50,9 @@ int64_t find_bin(const std::vector<int64_t>& hist, int64_t k, int64_t* above) {
 // group into the output. The candidate list is as long as the threshold bin
 // (at most n, for an input of one repeated value).
 template <typename W, typename I>
-void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+void select_exact(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* val) {
   if (k == n) {
-    parallel_for(pool, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         idx[i] = static_cast<I>(i);
         val[i] = x[i];
@@ -74,7 +61,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
     return;
   }
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, runner.threads() + 1);
   auto group_range = [&](int64_t g, int64_t* i0, int64_t* i1) {
     *i0 = std::min(n, (g * chunks / groups) * kChunk);
     *i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
@@ -82,7 +69,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
 
   // Pass 1: high bits.
   std::vector<std::vector<uint32_t>> hists(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     std::vector<uint32_t>& h = hists[g];
     h.assign(kTopkHiBins, 0);
     int64_t i0, i1;
@@ -93,7 +80,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   for (const auto& h : hists)
     for (int b = 0; b < kTopkHiBins; ++b) hist[b] += h[b];
   int64_t above = 0;
-  const int64_t bin = find_bin(hist, k, &above);
+  const int64_t bin = topk_find_bin(hist.data(), kTopkHiBins, k, &above);
   const int64_t need_bin = k - above;
 
   // Pass 2: the above lists and the candidates, per group.
@@ -107,7 +94,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   std::vector<uint32_t> a_idx(above), cand(hist[bin]);
   std::vector<W> a_val(above);
   const uint32_t b32 = static_cast<uint32_t>(bin);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t i0, i1;
     group_range(g, &i0, &i1);
     int64_t pa = a_off[g], pc = c_off[g];
@@ -140,7 +127,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
     std::vector<int64_t> lo(kTopkLoBins, 0);
     for (uint32_t i : cand) ++lo[lo_of(i)];
     int64_t above_lo = 0;
-    t_lo = find_bin(lo, need_bin, &above_lo);
+    t_lo = topk_find_bin(lo.data(), kTopkLoBins, need_bin, &above_lo);
     need_eq = need_bin - above_lo;
   } else if (sizeof(W) == 4) {
     t_lo = -1;  // the whole bin is taken
@@ -161,7 +148,7 @@ void select_exact(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
     }
   }
   // Merge, per group, the above list with the chosen candidates.
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t o = a_off[g] + ch_off[g];
     int64_t a = a_off[g], c = ch_off[g];
     const int64_t ae = a_off[g + 1], ce = ch_off[g + 1];
@@ -225,8 +212,8 @@ inline uint32_t block_hits<uint16_t>(const uint16_t* x, uint32_t bound) {
 #endif
 
 template <typename W, typename I>
-void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* idx, W* val) {
-  if (k == n || n < kSampleMin) return select_exact<W, I>(pool, x, n, k, idx, val);
+void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* val) {
+  if (k == n || n < kSampleMin) return select_exact<W, I>(runner, x, n, k, idx, val);
   const int64_t m = kSampleBlocks * kSampleBlock;
   std::vector<uint32_t> sample(m);
   const int64_t stride = n / kSampleBlocks;
@@ -236,16 +223,16 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   const int64_t r = std::min<int64_t>(m - 1, static_cast<int64_t>(1.1 * expect + 4.0 * std::sqrt(expect) + 8.0));
   std::nth_element(sample.begin(), sample.begin() + r, sample.end(), std::greater<uint32_t>());
   const uint32_t bound = sample[r];
-  if (bound == 0) return select_exact<W, I>(pool, x, n, k, idx, val);  // mostly zeros
+  if (bound == 0) return select_exact<W, I>(runner, x, n, k, idx, val);  // mostly zeros
 
   const int64_t chunks = (n + kChunk - 1) / kChunk;
-  const int64_t groups = std::min<int64_t>(chunks, pool.num_threads() + 1);
+  const int64_t groups = std::min<int64_t>(chunks, runner.threads() + 1);
   const int64_t limit = 2 * k + 65536;  // beyond this, select_exact is cheaper
   // Indices and values of the elements found, per group: the values are
   // copied while in cache (reading them back later would miss on every one).
   std::vector<std::vector<uint32_t>> found(groups);
   std::vector<std::vector<W>> found_val(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     const int64_t i0 = std::min(n, (g * chunks / groups) * kChunk);
     const int64_t i1 = std::min(n, ((g + 1) * chunks / groups) * kChunk);
     std::vector<uint32_t>& f = found[g];
@@ -275,7 +262,7 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   });
   int64_t total = 0;
   for (const auto& f : found) total += static_cast<int64_t>(f.size());
-  if (total < k || total > limit) return select_exact<W, I>(pool, x, n, k, idx, val);
+  if (total < k || total > limit) return select_exact<W, I>(runner, x, n, k, idx, val);
 
   // The k-th largest key among the found: a histogram of their high key
   // bits, then nth_element inside the bin that holds it.
@@ -283,7 +270,7 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   for (const auto& fv : found_val)
     for (W v : fv) ++hist[topk_hi<W>(topk_key(v))];
   int64_t above_bin = 0;
-  const int64_t bin = find_bin(hist, k, &above_bin);
+  const int64_t bin = topk_find_bin(hist.data(), kTopkHiBins, k, &above_bin);
   std::vector<uint32_t> in_bin;
   in_bin.reserve(hist[bin]);
   for (const auto& fv : found_val)
@@ -298,7 +285,7 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
 
   // Emit per group, at offsets from per-group counts.
   std::vector<int64_t> gt(groups), eq(groups);
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     int64_t a = 0, e = 0;
     for (W v : found_val[g]) {
       const uint32_t key = topk_key(v);
@@ -313,17 +300,18 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
   for (int64_t g = 0; g < groups; ++g) {
     out0[g] = pos;
     eq0[g] = seen;
-    pos += gt[g] + std::min(eq[g], std::max<int64_t>(0, need_eq - seen));
+    pos += static_cast<int64_t>(topk_part_emits(gt[g], eq[g], need_eq, seen));
     seen += eq[g];
   }
-  for_each_group(pool, groups, [&](int64_t g) {
+  for_each_group(runner, groups, [&](int64_t g) {
     const std::vector<uint32_t>& f = found[g];
     const std::vector<W>& fv = found_val[g];
     int64_t p = out0[g], e = eq0[g];
     for (size_t j = 0; j < f.size(); ++j) {
       const uint32_t key = topk_key(fv[j]);
-      if (key < t) continue;
-      if (key == t && e++ >= need_eq) continue;
+      const bool chosen = topk_chosen(key, t, e, need_eq);
+      e += key == t;
+      if (!chosen) continue;
       idx[p] = static_cast<I>(f[j]);
       val[p++] = fv[j];
     }
@@ -333,9 +321,9 @@ void select_whole(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, I* id
 // k of every bucket; the last bucket, of length L < k, emits its L elements
 // and then padding entries with local indices L .. k-1 and value 0.
 template <typename W, typename I>
-void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
+void select_buckets(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   const int64_t nb = num_buckets(n, bucket);
-  parallel_for(pool, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
+  parallel_for(runner, nb, std::max<int64_t>(1, kElementsPerTask / bucket), [&](int64_t b0, int64_t b1) {
     std::vector<uint32_t> keys(bucket), cand(bucket);
     for (int64_t b = b0; b < b1; ++b) {
       const W* xb = x + b * bucket;
@@ -362,9 +350,9 @@ void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int
         keys[i] = topk_key(xb[i]);
         ++hist[keys[i] >> kShift];
       }
-      int64_t above = 0;
-      int bin = 255;
-      for (; bin > 0 && above + hist[bin] < kb; --bin) above += hist[bin];
+      uint32_t above_bin = 0;
+      const int bin = topk_find_bin<uint32_t>(hist, 256, static_cast<uint32_t>(kb), &above_bin);
+      int64_t above = above_bin;
       int64_t m = 0;
       for (int64_t i = 0; i < len; ++i)
         if ((keys[i] >> kShift) == static_cast<uint32_t>(bin)) cand[m++] = keys[i];
@@ -372,11 +360,13 @@ void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int
       std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + m, std::greater<uint32_t>());
       const uint32_t t = cand[r];
       for (int64_t j = 0; j < m; ++j) above += cand[j] > t;
-      int64_t need_eq = kb - above, p = 0;
+      const int64_t need_eq = kb - above;
+      int64_t p = 0, ties = 0;
       for (int64_t i = 0; i < len && p < kb; ++i) {
         const uint32_t key = keys[i];
-        if (key < t) continue;
-        if (key == t && need_eq-- <= 0) continue;
+        const bool chosen = topk_chosen(key, t, ties, need_eq);
+        ties += key == t;
+        if (!chosen) continue;
         ib[p] = static_cast<I>(i);
         vb[p] = xb[i];
         ++p;
@@ -385,139 +375,91 @@ void select_buckets(ffi::ThreadPool& pool, const W* x, int64_t n, int64_t k, int
   });
 }
 
-bool word_size(ffi::DataType t, int* bytes) {
-  DType dt;
-  if (!to_dtype(t, &dt)) return false;
-  *bytes = dt == DType::kF32 ? 4 : 2;
-  return true;
-}
-
-int index_size(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::U8: return 1;
-    case ffi::DataType::U16: return 2;
-    case ffi::DataType::U32: return 4;
-    default: return 0;
-  }
-}
-
-// Runs fn(W{}, I{}) with the storage word and index types.
-template <typename F>
-void with_types(int wbytes, int ibytes, const F& fn) {
-  auto by_index = [&](auto w) {
-    switch (ibytes) {
-      case 1: return fn(w, uint8_t{});
-      case 2: return fn(w, uint16_t{});
-      default: return fn(w, uint32_t{});
-    }
-  };
-  if (wbytes == 4) return by_index(uint32_t{});
-  return by_index(uint16_t{});
-}
-
-// Shared checks of encode and decode; returns an error string or "".
-std::string check_config(int64_t n, int64_t k, int64_t bucket, int64_t entries, int ibytes) {
-  if (n >= (int64_t{1} << 32)) return "inputs are limited to 2^32 - 1 elements";
-  if (ibytes == 0) return "indices must be uint8, uint16 or uint32";
+// The payload of x (n elements) into idx and val; n > 0.
+template <typename W, typename I>
+void encode(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   if (bucket == 0) {
-    if (n > 0 && (k < 1 || k > n)) return "k must be in [1, n]";
-    if (n == 0 && k != 0) return "k must be 0 for an empty input";
-    if (entries != k) return "index buffer must have k entries";
-    if (n > 0 && ibytes < 4 && n - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for n";
+    select_whole<W, I>(runner, x, n, k, idx, val);
   } else {
-    if (!valid_bucket(bucket)) return "bucket_size must be 0 or a power of two in [8, 65536]";
-    if (k < 1 || k > bucket) return "k must be in [1, bucket_size]";
-    if (entries != num_buckets(n, bucket) * k) return "index buffer must have k entries per bucket";
-    if (ibytes < 4 && bucket - 1 > (int64_t{1} << (8 * ibytes)) - 1) return "index type too narrow for the bucket";
+    select_buckets<W, I>(runner, x, n, k, bucket, idx, val);
   }
-  return "";
 }
 
-ffi::Error TopkEncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
-                          ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
-  const char* op = "jaxcomp_topk_encode";
-  int wbytes = 0;
-  if (!word_size(x.element_type(), &wbytes)) return invalid(op, "input must be float32, bfloat16 or float16");
-  if (values->element_type() != x.element_type()) return invalid(op, "values must have the input's dtype");
-  const int ibytes = index_size(indices->element_type());
-  const int64_t n = x.element_count();
-  std::string err = check_config(n, k, bucket, indices->element_count(), ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values->element_count() != indices->element_count()) return invalid(op, "values must match indices");
-  if (n == 0) return ffi::Error::Success();
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    const W* xd = static_cast<const W*>(x.untyped_data());
-    I* id = static_cast<I*>(indices->untyped_data());
-    W* vd = static_cast<W*>(values->untyped_data());
-    if (bucket == 0) {
-      select_whole<W, I>(pool, xd, n, k, id, vd);
-    } else {
-      select_buckets<W, I>(pool, xd, n, k, bucket, id, vd);
+// Zeros, then the entries' values at their global indices. Indices outside
+// [0, n) are padding (or, in a malformed payload, noise): skipped, as the
+// twin's scatter drops them.
+template <typename W, typename I>
+void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t n, int64_t k, int64_t bucket,
+            W* out) {
+  parallel_for(runner, n, kElementsPerTask * 4,
+               [&](int64_t i0, int64_t i1) { std::memset(out + i0, 0, (i1 - i0) * sizeof(W)); });
+  parallel_for(runner, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = topk_global_index(j, idx[j], k, bucket);
+      if (g < n) out[g] = val[j];
     }
   });
-  return ffi::Error::Success();
 }
 
-ffi::Error TopkDecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
-  const char* op = "jaxcomp_topk_decode";
-  int wbytes = 0;
-  if (!word_size(out->element_type(), &wbytes)) return invalid(op, "output must be float32, bfloat16 or float16");
-  if (values.element_type() != out->element_type()) return invalid(op, "values must have the output's dtype");
-  const int ibytes = index_size(indices.element_type());
-  const int64_t n = out->element_count();
-  const int64_t entries = indices.element_count();
-  std::string err = check_config(n, k, bucket, entries, ibytes);
-  if (!err.empty()) return invalid(op, err);
-  if (values.element_count() != entries) return invalid(op, "values must match indices");
-  if (n == 0) return ffi::Error::Success();
-  hint_huge_pages(out->untyped_data(), n * wbytes);
-  with_types(wbytes, ibytes, [&](auto w, auto i) {
-    using W = decltype(w);
-    using I = decltype(i);
-    const I* id = static_cast<const I*>(indices.untyped_data());
-    const W* vd = static_cast<const W*>(values.untyped_data());
-    W* od = static_cast<W*>(out->untyped_data());
-    parallel_for(pool, n, kElementsPerTask * 4,
-                 [&](int64_t i0, int64_t i1) { std::memset(od + i0, 0, (i1 - i0) * sizeof(W)); });
-    // Indices outside [0, n) are padding (or, in a malformed payload, noise):
-    // skipped, as the twin's scatter drops them.
-    parallel_for(pool, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const int64_t g = topk_global_index(j, id[j], k, bucket);
-        if (g < n) od[g] = vd[j];
-      }
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
+                      ffi::Result<ffi::AnyBuffer> values, int64_t k, int64_t bucket) {
+  const Batch b(x, *indices, *values);
+  const DType dt = dtype_of(x.element_type());
+  const int ibytes = index_bytes(indices->element_type());
+  const int64_t n = b.count(0);
+  const char* error =
+      topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket, b.count(1), b.count(2));
+  return run_batch(pool, "jaxcomp_topk_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    if (n == 0) return;
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+      using W = decltype(w);
+      using I = decltype(ix);
+      encode<W, I>(runner, b.at<W>(0, i), n, k, bucket, b.at<I>(1, i), b.at<W>(2, i));
     });
   });
-  return ffi::Error::Success();
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuffer values,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+  const Batch b(indices, values, *out);
+  const DType dt = dtype_of(out->element_type());
+  const int ibytes = index_bytes(indices.element_type());
+  const int64_t n = b.count(2), entries = b.count(0);
+  const char* error = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries, b.count(1));
+  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  return run_batch(pool, "jaxcomp_topk_decode", b, error, n, [&](int64_t i, Runner& runner) {
+    if (n == 0) return;
+    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+      using W = decltype(w);
+      using I = decltype(ix);
+      decode<W, I>(runner, b.at<I>(0, i), b.at<W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
+    });
+  });
 }
 
 }  // namespace
 }  // namespace jaxcomp
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::TopkEncodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()     // x: flat f32/bf16/f16
-                                  .Ret<xla::ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
-                                  .Ret<xla::ffi::AnyBuffer>()     // values: x's dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()     // x: flat f32/bf16/f16
+                                  .Ret<ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
+                                  .Ret<ffi::AnyBuffer>()     // values: x's dtype
                                   .Attr<int64_t>("k")             // total (bucket 0) or per bucket
                                   .Attr<int64_t>("bucket_size"));  // 0: whole tensor
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::TopkDecodeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()
-                                  .Arg<xla::ffi::AnyBuffer>()     // indices
-                                  .Arg<xla::ffi::AnyBuffer>()     // values
-                                  .Ret<xla::ffi::AnyBuffer>()     // flat output, values' dtype
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()     // indices
+                                  .Arg<ffi::AnyBuffer>()     // values
+                                  .Ret<ffi::AnyBuffer>()     // flat output, values' dtype
                                   .Attr<int64_t>("k")
                                   .Attr<int64_t>("bucket_size"));
 
-namespace jaxcomp {
-std::vector<HandlerEntry> topk_cpu_handlers() {
-  return {{"jaxcomp_topk_encode", reinterpret_cast<void*>(JaxcompTopkEncode)},
-          {"jaxcomp_topk_decode", reinterpret_cast<void*>(JaxcompTopkDecode)}};
-}
-}  // namespace jaxcomp
+JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompTopkEncode);
+JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompTopkDecode);

@@ -1,0 +1,79 @@
+// Int8 on CUDA: the targets jaxcomp_int8_encode and jaxcomp_int8_decode, with
+// the buffers, checks and bytes of ffi/int8.cc. Bodies, sizes and checks in
+// ffi/include/jaxcomp/int8.h; twin in jaxcomp/codecs/int8.py.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda_runtime.cuh"
+#include "jaxcomp/int8.h"
+
+namespace jaxcomp {
+namespace cuda {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Kernels and their launches
+// ---------------------------------------------------------------------------
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    int8_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
+                       int8_t* __restrict__ q, float* __restrict__ scales, bool vec) {
+  const Slot t = slot(g);
+  const float m = bucket_max_abs(x, n, t.start, g, t.lane);
+  if (t.bucket >= num_buckets) return;
+  if (t.lane == 0) scales[t.bucket] = m;
+  const float inv = int8_inv(m);
+  uint8_t* out = reinterpret_cast<uint8_t*>(q) + t.start;
+  for (int gi = t.lane; gi < g.bucket / 8; gi += g.lanes) {
+    float v[8];
+    load8(x, t.start + 8 * gi, n, vec, v);
+    uint8_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = static_cast<uint8_t>(int8_code(v[j], inv));
+    store_bytes8(out + 8 * gi, vec, c);
+  }
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int64_t bucket, int8_t* q, float* scales) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    const auto* xd = static_cast<const decltype(tag)*>(x);
+    int8_encode_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, q, scales, aligned16(xd) && aligned16(q));
+  });
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    int8_decode_kernel(const int8_t* __restrict__ q, const float* __restrict__ scales, T* __restrict__ out,
+                       int64_t n, int group_shift, bool vec) {
+  store_groups(out, n, vec, [&](int64_t gi, float* v) {
+    const float step = int8_step(scales[gi >> group_shift]);
+    uint8_t c[8];
+    load_bytes8(reinterpret_cast<const uint8_t*>(q) + 8 * gi, vec, c);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) v[j] = int8_value(static_cast<int8_t>(c[j]), step);
+  });
+}
+
+void decode(cudaStream_t stream, DType dt, const int8_t* q, const float* scales, int64_t n, int64_t bucket, void* out) {
+  with_type(dt, [&](auto tag) {
+    auto* o = static_cast<decltype(tag)*>(out);
+    int8_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(q, scales, o, n, log2_int(bucket / 8),
+                                                                aligned16(q) && aligned16(o));
+  });
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cuda_runtime.cuh), q being the codes
+// ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::S8, ffi::F32>;
+constexpr char kEncode[] = "jaxcomp_int8_encode";
+constexpr char kDecode[] = "jaxcomp_int8_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, int8_check_encode, encode>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode, decode>));
+
+}  // namespace
+}  // namespace cuda
+}  // namespace jaxcomp

@@ -1,0 +1,246 @@
+// CPU loop pieces that several bucketed families share (QSGD, Int8, OneBit,
+// TernGrad, Natural): loading and storing a bucket as float32, max|v|, the
+// halving-tree sum of common.h, bit packing of a bucket, the RNG key mixed
+// once, and the AVX2 building blocks of the hand-written paths. Free of XLA
+// types; inlined into the loops that use them (cpu_runtime.h: JC_CPU_LOOP).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_runtime.h"
+#include "jaxcomp/common.h"
+
+#if JC_CPU_AVX2
+#include <immintrin.h>
+#endif
+
+namespace jaxcomp {
+namespace cpu {
+
+template <typename T>
+inline void load_bucket(const void* x, int64_t start, int64_t valid, int B, float* buf) {
+  const T* src = static_cast<const T*>(x) + start;
+  for (int64_t i = 0; i < valid; ++i) buf[i] = to_f32(src[i]);
+  for (int64_t i = valid; i < B; ++i) buf[i] = 0.0f;
+}
+
+inline void load_any(DType t, const void* x, int64_t start, int64_t valid, int B, float* buf) {
+  switch (t) {
+    case DType::kBF16: return load_bucket<bf16_t>(x, start, valid, B, buf);
+    case DType::kF16: return load_bucket<f16_t>(x, start, valid, B, buf);
+    default: return load_bucket<float>(x, start, valid, B, buf);
+  }
+}
+
+template <typename T>
+inline void store_bucket(const float* buf, int64_t start, int64_t valid, void* out) {
+  T* dst = static_cast<T*>(out) + start;
+  for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(buf[i]);
+}
+
+inline void store_any(DType t, const float* buf, int64_t start, int64_t valid, void* out) {
+  switch (t) {
+    case DType::kBF16: return store_bucket<bf16_t>(buf, start, valid, out);
+    case DType::kF16: return store_bucket<f16_t>(buf, start, valid, out);
+    default: return store_bucket<float>(buf, start, valid, out);
+  }
+}
+
+inline float max_abs(const float* buf, int B) {
+  uint32_t m = 0;
+  for (int i = 0; i < B; ++i) m = std::max(m, abs_bits(buf[i]));
+  return bits_f32(m);
+}
+
+// The halving tree of common.h, in place over tmp[0..B). Same pairs, same
+// order; the levels are written in blocks of 8 lanes (one AVX2 add each) and
+// the last three levels by hand, which is what makes small buckets cheap.
+inline float tree_sum(float* tmp, int B) {
+  for (int w = B / 2; w >= 8; w /= 2)
+    for (int i = 0; i < w; i += 8)
+      for (int j = 0; j < 8; ++j) tmp[i + j] += tmp[i + w + j];
+  if (B >= 8)
+    for (int j = 0; j < 4; ++j) tmp[j] += tmp[j + 4];
+  tmp[0] += tmp[2];
+  tmp[1] += tmp[3];
+  tmp[0] += tmp[1];
+  return tmp[0];
+}
+
+// When BITS divides 8, byte k of the stream holds codes k*(8/BITS) .. +8/BITS-1,
+// which is pack8's layout written byte by byte (and vectorizes).
+template <int BITS>
+inline void pack_bucket(const uint8_t* codes, int B, uint8_t* out) {
+  if (BITS == 8) {
+    std::memcpy(out, codes, B);
+  } else if (8 % BITS == 0) {
+    constexpr int per = 8 / (BITS == 3 ? 1 : BITS);
+    for (int k = 0; k < B / per; ++k) {
+      uint32_t byte = 0;
+      for (int j = 0; j < per; ++j) byte |= static_cast<uint32_t>(codes[per * k + j]) << (j * BITS);
+      out[k] = static_cast<uint8_t>(byte);
+    }
+  } else {
+    for (int g = 0; g < B / 8; ++g) pack8(codes + 8 * g, BITS, out + BITS * g);
+  }
+}
+
+template <int BITS>
+inline void unpack_bucket(const uint8_t* in, int B, uint8_t* codes) {
+  if (BITS == 8) {
+    std::memcpy(codes, in, B);
+  } else if (8 % BITS == 0) {
+    constexpr int per = 8 / (BITS == 3 ? 1 : BITS);
+    for (int k = 0; k < B / per; ++k)
+      for (int j = 0; j < per; ++j)
+        codes[per * k + j] = static_cast<uint8_t>((in[k] >> (j * BITS)) & ((1u << BITS) - 1u));
+  } else {
+    for (int g = 0; g < B / 8; ++g) {
+      uint32_t w = 0;
+      for (int b = 0; b < BITS; ++b) w |= static_cast<uint32_t>(in[BITS * g + b]) << (8 * b);
+      for (int j = 0; j < 8; ++j)
+        codes[8 * g + j] = static_cast<uint8_t>((w >> (j * BITS)) & ((1u << BITS) - 1u));
+    }
+  }
+}
+
+// rng_bits / rng_uniform of common.h with the key words mixed once, outside
+// the loops (the compiler does not always hoist them).
+struct RngKey {
+  uint32_t a, b;
+};
+inline RngKey rng_key(uint32_t k0, uint32_t k1) {
+  const uint32_t a = mix32(k0);
+  return RngKey{a, mix32(k1 ^ a)};
+}
+inline uint32_t rng_bits_k(RngKey k, uint32_t index) { return mix32((index + k.a) ^ k.b); }
+inline float rng_uniform_k(RngKey k, uint32_t index) {
+  return static_cast<float>(static_cast<int32_t>(rng_bits_k(k, index) >> 8)) * 5.9604644775390625e-08f;
+}
+
+#if JC_CPU_AVX2
+namespace avx2 {
+
+// Scratch of AVX2 vectors, 32-byte aligned as __m256 loads and stores need
+// (a std::vector<__m256> would drop the type's alignment, and its storage
+// would be only 16-byte aligned).
+class Scratch {
+ public:
+  explicit Scratch(int vectors)
+      : floats_(8 * static_cast<size_t>(vectors) + 8),
+        data_(reinterpret_cast<__m256*>((reinterpret_cast<uintptr_t>(floats_.data()) + 31) & ~uintptr_t{31})) {}
+  __m256* data() const { return data_; }
+
+ private:
+  std::vector<float> floats_;
+  __m256* data_;
+};
+
+// The halving tree over nv vectors of 8 lanes (element i of the bucket is
+// lane i % 8 of vector i / 8): vector levels first, then the lanes.
+JC_AVX2 inline float tree_sum(__m256* v, int nv) {
+  for (int w = nv / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] = _mm256_add_ps(v[i], v[i + w]);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v[0]), _mm256_extractf128_ps(v[0], 1));  // j += j+4
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                              // j += j+2
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));                                               // 0 += 1
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace avx2
+#endif
+
+}  // namespace cpu
+}  // namespace jaxcomp
+
+// ---------------------------------------------------------------------------
+// The CPU handlers of the pair families (handler.h). A family names its op,
+// its check and the function that runs one tensor, and registers the result:
+//   JAXCOMP_REGISTER(kDecode, (PairHandlers<ffi::S8, ffi::F32>::decode<kDecode, int8_check_decode, decode>));
+// ---------------------------------------------------------------------------
+namespace jaxcomp {
+
+// What the bucket loops of a pair family read: one tensor of n elements in
+// buckets of `bucket`, x -> (codes, side) and back.
+template <typename Codes, typename Side>
+struct PairEncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  int bucket;
+  Codes* codes;
+  Side* side;
+};
+
+template <typename Codes, typename Side>
+struct PairDecodeArgs {
+  DType dtype;
+  void* out;
+  int64_t n;
+  int bucket;
+  const Codes* codes;
+  const Side* side;
+};
+
+template <ffi::DataType kCodes, ffi::DataType kSide>
+struct PairHandlers {
+  using Codes = ffi::NativeType<kCodes>;
+  using Side = ffi::NativeType<kSide>;
+  using EncodeArgs = PairEncodeArgs<Codes, Side>;
+  using DecodeArgs = PairDecodeArgs<Codes, Side>;
+  // One tensor of n elements, x -> (codes, side) and back.
+  using Encode = void (*)(Runner&, DType, const void* x, int64_t n, int bucket, Codes*, Side*);
+  using Decode = void (*)(Runner&, DType, const Codes*, const Side*, int64_t n, int bucket, void* out);
+
+  // The loops over the buckets [b0, b1) of one tensor, run over all its
+  // buckets by for_buckets: for families whose Encode and Decode are only that.
+  template <void (*kLoop)(const EncodeArgs&, int64_t, int64_t)>
+  static void encode_buckets(Runner& r, DType dt, const void* x, int64_t n, int bucket, Codes* codes, Side* side) {
+    for_buckets(r, EncodeArgs{dt, x, n, bucket, codes, side}, kLoop);
+  }
+
+  template <void (*kLoop)(const DecodeArgs&, int64_t, int64_t)>
+  static void decode_buckets(Runner& r, DType dt, const Codes* codes, const Side* side, int64_t n, int bucket,
+                             void* out) {
+    for_buckets(r, DecodeArgs{dt, out, n, bucket, codes, side}, kLoop);
+  }
+
+  template <const char* kOp, PairCheck kCheck, Encode kEncode>
+  static ffi::Error encode_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<kCodes> codes,
+                                ffi::ResultBuffer<kSide> side, int64_t bucket) {
+    const Batch<3> b(x, *codes, *side);
+    const DType dt = dtype_of(x.element_type());
+    const int64_t n = b.count(0);
+    hint_huge_pages(codes->untyped_data(), static_cast<int64_t>(codes->size_bytes()));
+    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(1), b.count(2), bucket), n, [&](int64_t i, Runner& r) {
+      kEncode(r, dt, b.at<void>(0, i), n, static_cast<int>(bucket), b.at<Codes>(1, i), b.at<Side>(2, i));
+    });
+  }
+
+  template <const char* kOp, PairCheck kCheck, Decode kDecode>
+  static ffi::Error decode_impl(ffi::ThreadPool pool, ffi::Buffer<kCodes> codes, ffi::Buffer<kSide> side,
+                                ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
+    const Batch<3> b(codes, side, *out);
+    const DType dt = dtype_of(out->element_type());
+    const int64_t n = b.count(2);
+    hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(0), b.count(1), bucket), n, [&](int64_t i, Runner& r) {
+      kDecode(r, dt, b.at<Codes>(0, i), b.at<Side>(1, i), n, static_cast<int>(bucket), b.at<void>(2, i));
+    });
+  }
+
+  template <const char* kOp, PairCheck kCheck, Encode kEncode>
+  static XLA_FFI_Error* encode(XLA_FFI_CallFrame* frame) {
+    return pair_encode_handler<ffi::ThreadPool, kCodes, kSide, encode_impl<kOp, kCheck, kEncode>>(frame);
+  }
+
+  template <const char* kOp, PairCheck kCheck, Decode kDecode>
+  static XLA_FFI_Error* decode(XLA_FFI_CallFrame* frame) {
+    return pair_decode_handler<ffi::ThreadPool, kCodes, kSide, decode_impl<kOp, kCheck, kDecode>>(frame);
+  }
+};
+
+}  // namespace jaxcomp

@@ -1,0 +1,22 @@
+// Float casts (the Cast codec's encode and decode), shared by ffi/cast.cc and
+// cuda/cast.cu. The conversions themselves are common.h's to_f32 and
+// from_f32 (round to nearest even, XLA's NaN handling); twin: astype
+// (jaxcomp/codecs/cast.py).
+#pragma once
+
+#include "jaxcomp/checks.h"
+#include "jaxcomp/common.h"
+
+namespace jaxcomp {
+
+// One output element per input element.
+JC_HD int64_t cast_size(int64_t n) { return n; }
+
+inline const char* cast_check(DType from, DType to, int64_t n, int64_t out) {
+  if (from == DType::kOther) return kBadInputType;
+  if (to == DType::kOther) return kBadOutputType;
+  if (out != cast_size(n)) return "input and output sizes differ";
+  return nullptr;
+}
+
+}  // namespace jaxcomp

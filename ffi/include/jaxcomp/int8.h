@@ -1,0 +1,55 @@
+// Int8 (the 3LC paper's "8-bit int" baseline), shared by ffi/int8.cc and
+// cuda/int8.cu: the per-element bodies, the payload sizes and the checks.
+// Twin: jaxcomp/codecs/int8.py.
+//
+// 255 levels in [-127, 127], scale = max|v| per bucket, round to nearest even.
+#pragma once
+
+#include "jaxcomp/checks.h"
+#include "jaxcomp/common.h"
+
+namespace jaxcomp {
+
+JC_HD float int8_inv(float maxabs) { return maxabs > 0.0f ? 127.0f / maxabs : 0.0f; }
+JC_HD float int8_step(float maxabs) { return maxabs * (1.0f / 127.0f); }
+
+JC_HD int8_t int8_code(float v, float inv) {
+  float t = v * inv;
+  t = t < -127.0f ? -127.0f : t;
+  t = t > 127.0f ? 127.0f : t;
+  t = (t == t) ? t : 0.0f;  // NaN (only when the bucket scale is not finite)
+  // Round half to even: adding and removing 1.5 * 2^23 is exact for |t| < 2^22.
+  t = (t + 12582912.0f) - 12582912.0f;
+  return static_cast<int8_t>(static_cast<int32_t>(t));
+}
+
+JC_HD float int8_value(int8_t q, float step) { return static_cast<float>(q) * step; }
+
+// ---------------------------------------------------------------------------
+// Payload sizes and checks
+// ---------------------------------------------------------------------------
+// Element counts of the payload of n elements: one int8 per element of every
+// bucket (the last one zero-padded) and one float32 scale per bucket.
+struct Int8Sizes {
+  int64_t q;
+  int64_t scales;
+};
+
+JC_HD Int8Sizes int8_sizes(int64_t n, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  return Int8Sizes{nb * bucket, nb};
+}
+
+inline const char* int8_check_encode(DType x, int64_t n, int64_t q, int64_t scales, int64_t bucket) {
+  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
+  const Int8Sizes want = int8_sizes(n, bucket);
+  return check_payload(q, want.q, scales, want.scales);
+}
+
+inline const char* int8_check_decode(DType out, int64_t n, int64_t q, int64_t scales, int64_t bucket) {
+  if (const char* e = check_bucketed_output(out, bucket)) return e;
+  const Int8Sizes want = int8_sizes(n, bucket);
+  return check_payload(q, want.q, scales, want.scales);
+}
+
+}  // namespace jaxcomp

@@ -1,0 +1,61 @@
+// TernGrad (Wen et al. 2017), shared by ffi/terngrad.cc and cuda/terngrad.cu:
+// the per-element bodies, the payload sizes and the checks. Twin:
+// jaxcomp/codecs/terngrad.py.
+//
+// Per bucket s = max|v|; each value becomes sign(v) * s with probability
+// |v| / s, else 0 (unbiased). Trit digits (t + 1 in {0, 1, 2}) are base-3^5
+// packed over the whole stream (ternary.h).
+#pragma once
+
+#include "jaxcomp/checks.h"
+#include "jaxcomp/common.h"
+#include "jaxcomp/ternary.h"
+
+namespace jaxcomp {
+
+// 1 / s, or 0 for s = 0 (and for a NaN s, whose compare fails): one level of
+// qsgd_inv.
+JC_HD float terngrad_inv(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+
+// Digit t + 1 for value v: 2 (+1), 0 (-1) or 1 (zero), given inv = 1/s and
+// the element's uniform u. A NaN or infinite r never rounds up.
+JC_HD uint32_t terngrad_digit(float v, float inv, float u) {
+  const float r = (v < 0.0f ? -v : v) * inv;
+  const uint32_t up = u < r ? 1u : 0u;
+  const uint32_t neg = v < 0.0f ? 1u : 0u;
+  return 1u + up - 2u * (up & neg);
+}
+
+JC_HD float terngrad_value(uint32_t digit, float scale) {
+  return static_cast<float>(static_cast<int32_t>(digit) - 1) * scale;
+}
+
+// ---------------------------------------------------------------------------
+// Payload sizes and checks
+// ---------------------------------------------------------------------------
+// Element counts of the payload of n elements: the base-3^5 bytes of n trits
+// and one float32 scale per bucket.
+struct TerngradSizes {
+  int64_t trits;
+  int64_t scales;
+};
+
+JC_HD TerngradSizes terngrad_sizes(int64_t n, int64_t bucket) {
+  return TerngradSizes{base3_bytes(n), num_buckets(n, bucket)};
+}
+
+inline const char* terngrad_check_encode(DType x, int64_t n, int64_t seed, int64_t trits, int64_t scales,
+                                         int64_t bucket) {
+  if (const char* e = check_seed(seed)) return e;
+  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
+  const TerngradSizes want = terngrad_sizes(n, bucket);
+  return check_payload(trits, want.trits, scales, want.scales);
+}
+
+inline const char* terngrad_check_decode(DType out, int64_t n, int64_t trits, int64_t scales, int64_t bucket) {
+  if (const char* e = check_bucketed_output(out, bucket)) return e;
+  const TerngradSizes want = terngrad_sizes(n, bucket);
+  return check_payload(trits, want.trits, scales, want.scales);
+}
+
+}  // namespace jaxcomp

@@ -1,0 +1,58 @@
+// Int8 on the CPU: the targets jaxcomp_int8_encode and jaxcomp_int8_decode.
+// Bodies, sizes and checks in include/jaxcomp/int8.h; twin in
+// jaxcomp/codecs/int8.py.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/int8.h"
+
+namespace jaxcomp {
+namespace {
+
+using Handlers = PairHandlers<ffi::S8, ffi::F32>;
+
+// ---------------------------------------------------------------------------
+// Kernels: the buckets [b0, b1) of one tensor
+// ---------------------------------------------------------------------------
+JC_CPU_LOOP void encode_range(const Handlers::EncodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
+    const float m = cpu::max_abs(buf.data(), B);
+    a.side[b] = m;
+    const float inv = int8_inv(m);
+    int8_t* qb = a.codes + start;
+    for (int i = 0; i < B; ++i) qb[i] = int8_code(buf[i], inv);
+  }
+}
+
+JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    const float step = int8_step(a.side[b]);
+    const int8_t* qb = a.codes + start;
+    for (int i = 0; i < B; ++i) buf[i] = int8_value(qb[i], step);
+    cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h), q being the codes and the
+// scales the side data
+// ---------------------------------------------------------------------------
+constexpr char kEncode[] = "jaxcomp_int8_encode";
+constexpr char kDecode[] = "jaxcomp_int8_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, int8_check_encode, Handlers::encode_buckets<encode_range>>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode, Handlers::decode_buckets<decode_range>>));
+
+}  // namespace
+}  // namespace jaxcomp

@@ -1,0 +1,143 @@
+// Natural compression on the CPU: the targets jaxcomp_natural_encode and
+// jaxcomp_natural_decode. Bodies, sizes and checks in
+// include/jaxcomp/natural.h; twin in jaxcomp/codecs/natural.py.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/natural.h"
+
+namespace jaxcomp {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+struct EncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  int bucket;
+  bool stochastic;
+  uint32_t k0, k1;
+  uint8_t* codes;
+  uint8_t* tops;
+};
+
+struct DecodeArgs {
+  DType dtype;
+  void* out;
+  int64_t n;
+  int bucket;
+  const uint8_t* codes;
+  const uint8_t* tops;
+};
+
+template <typename T, bool STOCHASTIC>
+void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  const T* x = static_cast<const T*>(a.x);
+  const uint32_t cap = natural_cap<T>();
+  const int B = a.bucket;
+  const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
+  // Codes in 32-bit lanes first, then narrowed in a loop of their own: mixing
+  // the widths in one loop spills registers and halves the speed.
+  std::vector<uint32_t> wide(B);
+  uint32_t* w = wide.data();
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    const T* src = x + start;
+    uint32_t m = 0, lo = 0xffffffffu;
+    for (int64_t i = 0; i < valid; ++i) {
+      const float v = to_f32(src[i]);
+      m = std::max(m, natural_finite_abs(v));
+      lo = std::min(lo, natural_min_key(v));
+    }
+    const uint32_t top = (m >> 23) + 1u;
+    a.tops[b] = static_cast<uint8_t>(top);
+    const uint32_t base = static_cast<uint32_t>(start);
+    // Without values more than 63 binades below the top (lo's exponent is 255
+    // when the bucket has no normal value), the underflow path is dead code.
+    // 32-bit counters: the element index is a 32-bit lane.
+    const uint32_t count = static_cast<uint32_t>(valid);
+    if (static_cast<int32_t>(lo >> 23) >= static_cast<int32_t>(top) - 63) {
+      for (uint32_t i = 0; i < count; ++i)
+        w[i] = natural_code_fast(to_f32(src[i]), top, cap, STOCHASTIC,
+                                 STOCHASTIC ? cpu::rng_bits_k(key, base + i) : 0u);
+    } else {
+      for (uint32_t i = 0; i < count; ++i)
+        w[i] = natural_code(to_f32(src[i]), top, cap, STOCHASTIC, STOCHASTIC ? cpu::rng_bits_k(key, base + i) : 0u);
+    }
+    uint8_t* out = a.codes + start;
+    for (int64_t i = 0; i < valid; ++i) out[i] = static_cast<uint8_t>(w[i]);
+  }
+}
+
+// Buckets [b0, b1).
+JC_CPU_LOOP void encode_range(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  with_type(a.dtype, [&](auto tag) {
+    if (a.stochastic)
+      encode_t<decltype(tag), true>(a, b0, b1);
+    else
+      encode_t<decltype(tag), false>(a, b0, b1);
+  });
+}
+
+JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
+  with_type(a.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(a.out);
+    const int B = a.bucket;
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * B;
+      const int64_t valid = std::min<int64_t>(B, a.n - start);
+      const uint32_t top = a.tops[b];
+      const uint8_t* in = a.codes + start;
+      T* dst = out + start;
+      for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(natural_value(in[i], top));
+    }
+  });
+}
+
+void decode(Runner& runner, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int bucket, void* out) {
+  for_buckets(runner, DecodeArgs{dt, out, n, bucket, codes, tops}, decode_range);
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: decode is the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::U8>;
+constexpr char kDecode[] = "jaxcomp_natural_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, decode>));
+
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
+                      int64_t stochastic) {
+  const Batch b(x, seed, *codes, *tops);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0);
+  const char* error = natural_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, stochastic);
+  hint_huge_pages(codes->typed_data(), codes->element_count());
+  return run_batch(pool, "jaxcomp_natural_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), stochastic != 0, key[0], key[1],
+                       b.at<uint8_t>(2, i), b.at<uint8_t>(3, i)};
+    for_buckets(runner, a, encode_range);
+  });
+}
+
+}  // namespace
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalEncode, jaxcomp::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
+JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompNaturalEncode);

@@ -1,0 +1,155 @@
+// 1-bit SGD on the CPU: the targets jaxcomp_onebit_encode and
+// jaxcomp_onebit_decode. Bodies, sizes and checks in include/jaxcomp/onebit.h;
+// twin in jaxcomp/codecs/onebit.py.
+//
+// Full float32 buckets take hand-written AVX2 paths on CPUs that have AVX2:
+// the same compares and the same halving-tree order as the portable loops,
+// eight lanes at a time.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/onebit.h"
+
+namespace jaxcomp {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+struct EncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  int bucket;
+  uint8_t* bits;
+  float* means;
+};
+
+struct DecodeArgs {
+  DType dtype;
+  void* out;
+  int64_t n;
+  int bucket;
+  const uint8_t* bits;
+  const float* means;
+};
+
+#if JC_CPU_AVX2
+// The bucket routines stay out of line: inlined into the flattened loop they
+// raise its register pressure (OneBit's encode lost 8% with 64-element
+// buckets), and one call per bucket costs nothing measurable.
+namespace avx2 {
+
+// Encode of one full float32 bucket.
+JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, uint8_t* bits, float* means, __m256* pos,
+                                                    __m256* neg) {
+  const __m256 zero = _mm256_setzero_ps();
+  uint32_t npos = 0;
+  for (int g = 0; g < B / 8; ++g) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * g);
+    const __m256 p = _mm256_cmp_ps(v, zero, _CMP_GE_OQ);  // NaN: false, as in the portable loop
+    const int m = _mm256_movemask_ps(p);
+    bits[g] = static_cast<uint8_t>(m);
+    npos += static_cast<uint32_t>(__builtin_popcount(static_cast<unsigned>(m)));
+    pos[g] = _mm256_and_ps(p, v);
+    neg[g] = _mm256_andnot_ps(p, v);
+  }
+  means[0] = onebit_mean(cpu::avx2::tree_sum(pos, B / 8), npos);
+  means[1] = onebit_mean(cpu::avx2::tree_sum(neg, B / 8), static_cast<uint32_t>(B) - npos);
+}
+
+// Decode of one full bucket into float32.
+JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* bits, float hi, float lo, int B, float* out) {
+  const __m256 h = _mm256_set1_ps(hi), l = _mm256_set1_ps(lo);
+  const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int g = 0; g < B / 8; ++g) {
+    const __m256i m = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits[g]), bit), bit);
+    _mm256_storeu_ps(out + 8 * g, _mm256_blendv_ps(l, h, _mm256_castsi256_ps(m)));
+  }
+}
+
+}  // namespace avx2
+#endif
+
+// Buckets [b0, b1); with AVX2, full float32 buckets take the AVX2 path.
+template <bool AVX2>
+void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B), pos(B), neg(B);
+  std::vector<uint8_t> codes(B);
+#if JC_CPU_AVX2
+  cpu::avx2::Scratch vpos(AVX2 ? B / 8 : 0), vneg(AVX2 ? B / 8 : 0);
+#endif
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+#if JC_CPU_AVX2
+    if (AVX2 && a.dtype == DType::kF32 && valid == B) {
+      avx2::encode_bucket(static_cast<const float*>(a.x) + start, B, a.bits + b * (B / 8), a.means + 2 * b,
+                          vpos.data(), vneg.data());
+      continue;
+    }
+#endif
+    cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
+    uint32_t npos = 0;
+    for (int i = 0; i < B; ++i) {
+      const bool p = buf[i] >= 0.0f;  // NaN goes to the negative side and poisons avg-
+      codes[i] = p ? 1 : 0;
+      pos[i] = p ? buf[i] : 0.0f;
+      neg[i] = p ? 0.0f : buf[i];
+      npos += (p && i < valid) ? 1u : 0u;
+    }
+    const uint32_t nneg = static_cast<uint32_t>(valid) - npos;
+    a.means[2 * b] = onebit_mean(cpu::tree_sum(pos.data(), B), npos);
+    a.means[2 * b + 1] = onebit_mean(cpu::tree_sum(neg.data(), B), nneg);
+    cpu::pack_bucket<1>(codes.data(), B, a.bits + b * (B / 8));
+  }
+}
+
+JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
+
+void encode(Runner& runner, DType dt, const void* x, int64_t n, int bucket, uint8_t* bits, float* means) {
+  for_buckets(runner, EncodeArgs{dt, x, n, bucket, bits, means}, encode_range);
+}
+
+template <bool AVX2>
+void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B);
+  std::vector<uint8_t> codes(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    const float hi = a.means[2 * b], lo = a.means[2 * b + 1];
+#if JC_CPU_AVX2
+    if (AVX2 && a.dtype == DType::kF32 && valid == B) {
+      avx2::decode_bucket(a.bits + b * (B / 8), hi, lo, B, static_cast<float*>(a.out) + start);
+      continue;
+    }
+#endif
+    cpu::unpack_bucket<1>(a.bits + b * (B / 8), B, codes.data());
+    for (int i = 0; i < B; ++i) buf[i] = codes[i] ? hi : lo;
+    cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+  }
+}
+
+JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
+
+void decode(Runner& runner, DType dt, const uint8_t* bits, const float* means, int64_t n, int bucket, void* out) {
+  for_buckets(runner, DecodeArgs{dt, out, n, bucket, bits, means}, decode_range);
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h), the bits being the codes
+// ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kEncode[] = "jaxcomp_onebit_encode";
+constexpr char kDecode[] = "jaxcomp_onebit_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, encode>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, decode>));
+
+}  // namespace
+}  // namespace jaxcomp

@@ -1,0 +1,316 @@
+// QSGD on the CPU: the targets jaxcomp_qsgd_encode and jaxcomp_qsgd_decode.
+// Bodies, sizes and checks in include/jaxcomp/qsgd.h; twin in
+// jaxcomp/codecs/qsgd.py.
+//
+// The loops run over whole buckets, branch-free so that they vectorize, in
+// the twin's order of floating-point operations. Full float32 buckets take
+// hand-written AVX2 paths on CPUs that have AVX2; they compute exactly the
+// operations of the portable loops (same compares, same products, the same
+// halving-tree order), eight lanes at a time with the bit packing done in
+// registers. The bit-exactness tests cover both paths (the portable one runs
+// for partial buckets and 16-bit inputs).
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/qsgd.h"
+
+namespace jaxcomp {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+// One tensor of n elements in buckets of `bucket`.
+struct EncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  int bucket, bits;
+  bool l2;
+  uint32_t k0, k1;
+  uint8_t* packed;
+  float* scales;
+};
+
+struct DecodeArgs {
+  DType dtype;
+  void* out;
+  int64_t n;
+  int bucket, bits;
+  const uint8_t* packed;
+  const float* scales;
+};
+
+#if JC_CPU_AVX2
+// The bucket routines stay out of line, like OneBit's (ffi/onebit.cc): inlined
+// into the flattened loop they raise its register pressure.
+namespace avx2 {
+
+JC_AVX2 inline __m256i mix32(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7feb352d));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+}
+
+// rng_uniform of common.h for indices base + 0..7, with a = mix32(k0) and
+// b = mix32(k1 ^ a) precomputed.
+JC_AVX2 inline __m256 uniform8(uint32_t a, uint32_t b, uint32_t base) {
+  const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(base)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i h = mix32(_mm256_xor_si256(_mm256_add_epi32(idx, _mm256_set1_epi32(static_cast<int>(a))),
+                                           _mm256_set1_epi32(static_cast<int>(b))));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(h, 8)), _mm256_set1_ps(5.9604644775390625e-08f));
+}
+
+JC_AVX2 inline float max_abs(const float* x, int B) {
+  const __m256i m = _mm256_set1_epi32(0x7fffffff);
+  __m256i acc = _mm256_setzero_si256();
+  for (int i = 0; i < B; i += 8)
+    acc = _mm256_max_epu32(acc, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), m));
+  alignas(32) uint32_t lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), acc);
+  uint32_t r = 0;
+  for (uint32_t l : lanes) r = r > l ? r : l;
+  return bits_f32(r);
+}
+
+// OR of (lane j << shift_j) over the 8 lanes.
+JC_AVX2 inline uint64_t or_lanes(__m256i v) {
+  __m128i s = _mm_or_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_or_si128(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_or_si128(s, _mm_srli_si128(s, 4));
+  return static_cast<uint32_t>(_mm_cvtsi128_si32(s));
+}
+
+// Encode of one full float32 bucket (qsgd_code of qsgd.h per lane).
+template <int BITS>
+JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, bool l2, uint32_t a, uint32_t b,
+                                                    uint32_t base, uint8_t* out, float* scale_out, __m256* scratch) {
+  const int s = (1 << (BITS - 1)) - 1;
+  float scale;
+  if (l2) {
+    const __m256i hi_mask = _mm256_set1_epi32(static_cast<int>(0xfffff000u));
+    for (int i = 0; i < B / 8; ++i) {
+      const __m256 v = _mm256_loadu_ps(x + 8 * i);
+      const __m256 h = _mm256_and_ps(v, _mm256_castsi256_ps(hi_mask));
+      const __m256 l = _mm256_sub_ps(v, h);
+      const __m256 hh = _mm256_mul_ps(h, h);
+      const __m256 hl2 = _mm256_mul_ps(_mm256_mul_ps(h, l), _mm256_set1_ps(2.0f));
+      scratch[i] = _mm256_add_ps(_mm256_add_ps(hh, hl2), _mm256_mul_ps(l, l));  // exact_square
+    }
+    scale = sqrtf(cpu::avx2::tree_sum(scratch, B / 8));
+  } else {
+    scale = max_abs(x, B);
+  }
+  *scale_out = scale;
+  const __m256 inv = _mm256_set1_ps(qsgd_inv(scale, s));
+  const __m256 fs = _mm256_set1_ps(static_cast<float>(s));
+  const __m256i si = _mm256_set1_epi32(s);
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS % 32, 5 * BITS % 32,
+                                           6 * BITS % 32, 7 * BITS % 32);
+  for (int g = 0; g < B / 8; ++g) {
+    const __m256 v = _mm256_loadu_ps(x + 8 * g);
+    __m256 r = _mm256_mul_ps(_mm256_and_ps(v, _mm256_castsi256_ps(absmask)), inv);
+    r = _mm256_blendv_ps(fs, r, _mm256_cmp_ps(r, fs, _CMP_LT_OQ));  // r < s ? r : s
+    const __m256i fl = _mm256_cvttps_epi32(r);
+    const __m256 frac = _mm256_sub_ps(r, _mm256_cvtepi32_ps(fl));
+    const __m256 u = uniform8(a, b, base + 8 * g);
+    const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(u, frac, _CMP_LT_OQ));  // -1 where u < frac
+    __m256i level = _mm256_min_epu32(_mm256_sub_epi32(fl, up), si);
+    const __m256i sign = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ)), 31);
+    const __m256i code = _mm256_or_si256(_mm256_slli_epi32(sign, BITS - 1), level);
+    if (BITS == 8) {
+      const __m256i p16 = _mm256_packus_epi32(code, code);  // lanes 0-3, 0-3 | 4-7, 4-7
+      const __m256i p8 = _mm256_packus_epi16(p16, p16);
+      const uint32_t lo = static_cast<uint32_t>(_mm256_extract_epi32(p8, 0));
+      const uint32_t hi = static_cast<uint32_t>(_mm256_extract_epi32(p8, 4));
+      std::memcpy(out + 8 * g, &lo, 4);
+      std::memcpy(out + 8 * g + 4, &hi, 4);
+    } else {
+      // 8 codes fit one 32-bit word (pack8's layout); its low BITS bytes are
+      // the group (3 bits: a 24-bit word).
+      const uint32_t w = static_cast<uint32_t>(or_lanes(_mm256_sllv_epi32(code, shifts)));
+      std::memcpy(out + BITS * g, &w, BITS);
+    }
+  }
+}
+
+// Decode of one full bucket into float32 (qsgd_value of qsgd.h per lane):
+// the group's word is broadcast, each lane shifts out its own code.
+template <int BITS>
+JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* in, float scale, int B, float* out) {
+  const int s = (1 << (BITS - 1)) - 1;
+  const __m256 step = _mm256_set1_ps(qsgd_step(scale, s));
+  const __m256i level_mask = _mm256_set1_epi32(s);
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS % 32, 5 * BITS % 32,
+                                           6 * BITS % 32, 7 * BITS % 32);
+  for (int g = 0; g < B / 8; ++g) {
+    __m256i code;
+    if (BITS == 8) {
+      code = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(in + 8 * g)));
+    } else {
+      uint32_t w = 0;
+      std::memcpy(&w, in + BITS * g, BITS);
+      code = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shifts);
+    }
+    const __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(code, level_mask)), step);
+    // Negation is a sign-bit flip, as -mag is in the portable loop.
+    const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(code, BITS - 1), 31);
+    const __m256i sign_bit = _mm256_and_si256(sign, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    _mm256_storeu_ps(out + 8 * g, _mm256_xor_ps(mag, _mm256_castsi256_ps(sign_bit)));
+  }
+}
+
+}  // namespace avx2
+#endif
+
+// Buckets [b0, b1); with AVX2, full float32 buckets take the AVX2 path.
+template <int BITS, bool AVX2>
+void encode_buckets_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  const int s = (1 << (BITS - 1)) - 1;
+  std::vector<float> buf(B), tmp(B);
+  std::vector<uint8_t> codes(B);
+#if JC_CPU_AVX2
+  cpu::avx2::Scratch scratch(AVX2 ? B / 8 : 0);
+  const uint32_t ka = mix32(a.k0), kb = mix32(a.k1 ^ mix32(a.k0));
+#endif
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    uint8_t* out = a.packed + b * (B / 8) * BITS;
+#if JC_CPU_AVX2
+    if (AVX2 && a.dtype == DType::kF32 && valid == B) {
+      avx2::encode_bucket<BITS>(static_cast<const float*>(a.x) + start, B, a.l2, ka, kb, static_cast<uint32_t>(start),
+                                out, a.scales + b, scratch.data());
+      continue;
+    }
+#endif
+    cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
+    float scale;
+    if (a.l2) {
+      for (int i = 0; i < B; ++i) tmp[i] = exact_square(buf[i]);
+      scale = sqrtf(cpu::tree_sum(tmp.data(), B));
+    } else {
+      scale = cpu::max_abs(buf.data(), B);
+    }
+    a.scales[b] = scale;
+    const float inv = qsgd_inv(scale, s);
+    const uint32_t base = static_cast<uint32_t>(start);
+    for (int i = 0; i < B; ++i)
+      codes[i] = static_cast<uint8_t>(
+          qsgd_code(buf[i], inv, s, BITS, rng_uniform(a.k0, a.k1, base + static_cast<uint32_t>(i))));
+    cpu::pack_bucket<BITS>(codes.data(), B, out);
+  }
+}
+
+template <bool AVX2>
+void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  switch (a.bits) {
+    case 2: return encode_buckets_t<2, AVX2>(a, b0, b1);
+    case 3: return encode_buckets_t<3, AVX2>(a, b0, b1);
+    case 4: return encode_buckets_t<4, AVX2>(a, b0, b1);
+    default: return encode_buckets_t<8, AVX2>(a, b0, b1);
+  }
+}
+
+template <int BITS, bool AVX2>
+void decode_buckets_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  const int s = (1 << (BITS - 1)) - 1;
+  std::vector<float> buf(B);
+  std::vector<uint8_t> codes(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    const uint8_t* in = a.packed + b * (B / 8) * BITS;
+#if JC_CPU_AVX2
+    if (AVX2 && a.dtype == DType::kF32 && valid == B) {
+      avx2::decode_bucket<BITS>(in, a.scales[b], B, static_cast<float*>(a.out) + start);
+      continue;
+    }
+#endif
+    cpu::unpack_bucket<BITS>(in, B, codes.data());
+    const float step = qsgd_step(a.scales[b], s);
+    for (int i = 0; i < B; ++i) buf[i] = qsgd_value(codes[i], step, BITS);
+    cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+  }
+}
+
+template <bool AVX2>
+void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
+  switch (a.bits) {
+    case 2: return decode_buckets_t<2, AVX2>(a, b0, b1);
+    case 3: return decode_buckets_t<3, AVX2>(a, b0, b1);
+    case 4: return decode_buckets_t<4, AVX2>(a, b0, b1);
+    default: return decode_buckets_t<8, AVX2>(a, b0, b1);
+  }
+}
+
+JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
+JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
+
+// ---------------------------------------------------------------------------
+// Handlers
+// ---------------------------------------------------------------------------
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                      ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
+                      int64_t bucket, int64_t l2) {
+  const Batch b(x, seed, *packed, *scales);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0);
+  const char* error = qsgd_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bits, bucket);
+  return run_batch(pool, "jaxcomp_qsgd_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), static_cast<int>(bits), l2 != 0, key[0],
+                       key[1], b.at<uint8_t>(2, i), b.at<float>(3, i)};
+    for_buckets(runner, a, encode_range);
+  });
+}
+
+ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
+  const Batch b(packed, scales, *out);
+  const DType dt = dtype_of(out->element_type());
+  const int64_t n = b.count(2);
+  const char* error = qsgd_check_decode(dt, n, b.count(0), b.count(1), bits, bucket);
+  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  return run_batch(pool, "jaxcomp_qsgd_decode", b, error, n, [&](int64_t i, Runner& runner) {
+    const DecodeArgs a{dt, b.at<void>(2, i), n, static_cast<int>(bucket), static_cast<int>(bits),
+                       b.at<uint8_t>(0, i), b.at<float>(1, i)};
+    for_buckets(runner, a, decode_range);
+  });
+}
+
+}  // namespace
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncode, jaxcomp::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Attr<int64_t>("bits")          // 2, 3, 4 or 8
+                                  .Attr<int64_t>("bucket_size")   // power of two
+                                  .Attr<int64_t>("l2"));          // 1: L2 norm, 0: max norm
+JAXCOMP_REGISTER("jaxcomp_qsgd_encode", JaxcompQsgdEncode);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecode, jaxcomp::DecodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale
+                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("bucket_size"));
+JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompQsgdDecode);

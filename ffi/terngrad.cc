@@ -1,0 +1,179 @@
+// TernGrad on the CPU: the targets jaxcomp_terngrad_encode and
+// jaxcomp_terngrad_decode. Bodies, sizes and checks in
+// include/jaxcomp/terngrad.h; twin in jaxcomp/codecs/terngrad.py.
+//
+// Encode is two passes: the scale of every bucket, then the base-3^5 bytes
+// (each byte reads one element of each of the five planes, from different
+// buckets, so it needs all the scales first).
+#include <algorithm>
+#include <cstdint>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/terngrad.h"
+
+namespace jaxcomp {
+namespace {
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+struct EncodeArgs {
+  DType dtype;
+  const void* x;
+  int64_t n;
+  int bucket;
+  uint32_t k0, k1;
+  uint8_t* trits;
+  float* scales;
+};
+
+struct DecodeArgs {
+  DType dtype;
+  void* out;
+  int64_t n;
+  int bucket;
+  const uint8_t* trits;
+  const float* scales;
+};
+
+template <typename T>
+float max_abs_src(const T* src, int64_t count) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < count; ++i) m = std::max(m, abs_bits(to_f32(src[i])));
+  return bits_f32(m);
+}
+
+// The scales of buckets [b0, b1).
+JC_CPU_LOOP void scales_range(const EncodeArgs& a, int64_t b0, int64_t b1) {
+  with_type(a.dtype, [&](auto tag) {
+    const auto* x = static_cast<const decltype(tag)*>(a.x);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * a.bucket;
+      // The zero padding of the last bucket cannot raise the max.
+      a.scales[b] = max_abs_src(x + start, std::min<int64_t>(a.bucket, a.n - start));
+    }
+  });
+}
+
+// Digits of elements [e0, e0 + len) into dig (1 past n: the padding). The
+// digits are kept in 32-bit lanes until the bytes are formed: narrowing
+// inside these loops costs more than the arithmetic.
+template <typename T>
+void digits(const T* x, int64_t n, int B, const float* scales, cpu::RngKey key, int64_t e0, int64_t len,
+            uint32_t* dig) {
+  int64_t k = 0;
+  while (k < len) {
+    const int64_t e = e0 + k;
+    if (e >= n) {
+      for (; k < len; ++k) dig[k] = 1;
+      break;
+    }
+    // A run inside one bucket and below n: one reciprocal, a branch-free loop.
+    const int64_t bucket_end = (e / B + 1) * B;
+    const int64_t run = std::min<int64_t>({len - k, bucket_end - e, n - e});
+    const float inv = terngrad_inv(scales[e / B]);
+    const T* src = x + e;
+    uint32_t* out = dig + k;
+    const uint32_t base = static_cast<uint32_t>(e);
+    // 32-bit counters: the element index is a 32-bit lane (an int64 counter
+    // would be narrowed lane by lane).
+    const uint32_t count = static_cast<uint32_t>(run);
+    for (uint32_t i = 0; i < count; ++i)
+      out[i] = terngrad_digit(to_f32(src[i]), inv, cpu::rng_uniform_k(key, base + i));
+    k += run;
+  }
+}
+
+// Bytes [i0, i1) of the base-3^5 stream.
+JC_CPU_LOOP void pack_range(const EncodeArgs& a, int64_t i0, int64_t i1) {
+  with_type(a.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* x = static_cast<const T*>(a.x);
+    const int64_t m = base3_bytes(a.n);
+    const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
+    constexpr int64_t kChunk = 512;
+    alignas(32) uint32_t dig[5][kChunk];
+    for (int64_t c = i0; c < i1; c += kChunk) {
+      const int64_t len = std::min<int64_t>(kChunk, i1 - c);
+      for (int j = 0; j < 5; ++j) digits<T>(x, a.n, a.bucket, a.scales, key, j * m + c, len, dig[j]);
+      uint8_t* out = a.trits + c;
+      for (int64_t i = 0; i < len; ++i) out[i] = base3_pack(dig[0][i], dig[1][i], dig[2][i], dig[3][i], dig[4][i]);
+    }
+  });
+}
+
+template <typename T, int PLANE>
+void decode_run(const uint8_t* in, float scale, int64_t run, T* out) {
+  for (int64_t i = 0; i < run; ++i) out[i] = from_f32<T>(terngrad_value(base3_digit(in[i], PLANE), scale));
+}
+
+// Elements [e0, e1).
+JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t e0, int64_t e1) {
+  with_type(a.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    T* out = static_cast<T*>(a.out);
+    const int64_t m = base3_bytes(a.n);
+    const int64_t B = a.bucket;
+    int64_t e = e0;
+    while (e < e1) {
+      // A run inside one plane and one bucket.
+      const int64_t plane = e / m;
+      const int64_t run = std::min<int64_t>({e1 - e, (plane + 1) * m - e, (e / B + 1) * B - e});
+      const uint8_t* in = a.trits + (e - plane * m);
+      const float s = a.scales[e / B];
+      switch (plane) {
+        case 0: decode_run<T, 0>(in, s, run, out + e); break;
+        case 1: decode_run<T, 1>(in, s, run, out + e); break;
+        case 2: decode_run<T, 2>(in, s, run, out + e); break;
+        case 3: decode_run<T, 3>(in, s, run, out + e); break;
+        default: decode_run<T, 4>(in, s, run, out + e); break;
+      }
+      e += run;
+    }
+  });
+}
+
+void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales, int64_t n, int bucket, void* out) {
+  const DecodeArgs a{dt, out, n, bucket, trits, scales};
+  parallel_for(runner, n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
+}
+
+void encode(Runner& runner, const EncodeArgs& a) {
+  for_buckets(runner, a, scales_range);
+  parallel_for(runner, base3_bytes(a.n), kElementsPerTask / 5,
+               [&](int64_t i0, int64_t i1) { pack_range(a, i0, i1); });
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: decode is the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+constexpr char kDecode[] = "jaxcomp_terngrad_decode";
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, terngrad_check_decode, decode>));
+
+ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
+                      ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
+  const Batch b(x, seed, *trits, *scales);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0);
+  const char* error = terngrad_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket);
+  return run_batch(pool, "jaxcomp_terngrad_encode", b, error, n, [&](int64_t i, Runner& runner) {
+    const uint32_t* key = b.at<uint32_t>(1, i);
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, static_cast<int>(bucket), key[0], key[1], b.at<uint8_t>(2, i),
+                              b.at<float>(3, i)});
+  });
+}
+
+}  // namespace
+}  // namespace jaxcomp
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradEncode, jaxcomp::EncodeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
+                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes, ceil(n/5)
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
+                                  .Attr<int64_t>("bucket_size"));  // power of two
+JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompTerngradEncode);
