@@ -93,6 +93,7 @@ CASES = [
     ("topk", {"k_per_bucket": [6, 8]}, (37,), "float32", "special"),
     ("topk", {"k_per_bucket": [16, 512]}, (1029,), "float32", "normal"),
     ("topk", {"fraction": 0.01}, (0,), "float32", "normal"),
+    ("signsgd", {"bucket_size": 8}, (37,), "float32", "special"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the

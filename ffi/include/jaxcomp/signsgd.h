@@ -1,0 +1,49 @@
+// Scaled sign (EF-SignSGD, Karimireddy et al. 2019, per bucket), shared by
+// ffi/signsgd.cc and cuda/signsgd.cu: the bodies, the payload sizes and the
+// checks. Twin: jaxcomp/codecs/signsgd.py.
+//
+// Bit 1 for v < 0 (LSB first, as 1-bit SGD), decoded to -scale, bit 0 to
+// +scale; scale is the bucket's halving-tree sum of |v| (common.h) times the
+// reciprocal of its count of valid values.
+#pragma once
+
+#include "jaxcomp/checks.h"
+#include "jaxcomp/common.h"
+
+namespace jaxcomp {
+
+// The mean magnitude as sum * (1 / count), each rounded once: the twin's
+// count is a constant, and XLA may rewrite a quotient by a constant into a
+// product by its rounded reciprocal.
+JC_HD float signsgd_scale(float abs_sum, int64_t valid) { return abs_sum * (1.0f / static_cast<float>(valid)); }
+
+JC_HD float signsgd_value(bool negative, float scale) { return negative ? -scale : scale; }
+
+// ---------------------------------------------------------------------------
+// Payload sizes and checks
+// ---------------------------------------------------------------------------
+// Element counts of the payload of n elements: one sign bit per element of
+// every bucket, packed (uint8), and one scale per bucket (float32).
+struct SignsgdSizes {
+  int64_t signs;
+  int64_t scales;
+};
+
+JC_HD SignsgdSizes signsgd_sizes(int64_t n, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  return SignsgdSizes{nb * bucket / 8, nb};
+}
+
+inline const char* signsgd_check_encode(DType x, int64_t n, int64_t signs, int64_t scales, int64_t bucket) {
+  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
+  const SignsgdSizes want = signsgd_sizes(n, bucket);
+  return check_payload(signs, want.signs, scales, want.scales);
+}
+
+inline const char* signsgd_check_decode(DType out, int64_t n, int64_t signs, int64_t scales, int64_t bucket) {
+  if (const char* e = check_bucketed_output(out, bucket)) return e;
+  const SignsgdSizes want = signsgd_sizes(n, bucket);
+  return check_payload(signs, want.signs, scales, want.scales);
+}
+
+}  // namespace jaxcomp

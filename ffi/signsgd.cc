@@ -1,0 +1,62 @@
+// Scaled sign on the CPU: the targets jaxcomp_signsgd_encode and
+// jaxcomp_signsgd_decode. Bodies, sizes and checks in
+// include/jaxcomp/signsgd.h; twin in jaxcomp/codecs/signsgd.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_buckets.h"
+#include "cpu_runtime.h"
+#include "jaxcomp/signsgd.h"
+
+namespace jaxcomp {
+namespace {
+
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+
+// ---------------------------------------------------------------------------
+// Kernels: the buckets [b0, b1) of one tensor
+// ---------------------------------------------------------------------------
+JC_CPU_LOOP void encode_range(const Handlers::EncodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B), mag(B);
+  std::vector<uint8_t> signs(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
+    for (int i = 0; i < B; ++i) {
+      signs[i] = buf[i] < 0.0f ? 1 : 0;
+      mag[i] = std::fabs(buf[i]);
+    }
+    a.side[b] = signsgd_scale(cpu::tree_sum(mag.data(), B), valid);
+    cpu::pack_bucket<1>(signs.data(), B, a.codes + b * (B / 8));
+  }
+}
+
+JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  std::vector<float> buf(B);
+  std::vector<uint8_t> signs(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    const float scale = a.side[b];
+    cpu::unpack_bucket<1>(a.codes + b * (B / 8), B, signs.data());
+    for (int i = 0; i < B; ++i) buf[i] = signsgd_value(signs[i] != 0, scale);
+    cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h), the signs being the codes and
+// the scales the side data
+// ---------------------------------------------------------------------------
+constexpr char kEncode[] = "jaxcomp_signsgd_encode";
+constexpr char kDecode[] = "jaxcomp_signsgd_decode";
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, signsgd_check_encode, Handlers::encode_buckets<encode_range>>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, signsgd_check_decode, Handlers::decode_buckets<decode_range>>));
+
+}  // namespace
+}  // namespace jaxcomp
