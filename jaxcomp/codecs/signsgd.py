@@ -49,7 +49,10 @@ class SignSGD(BucketedCodec):
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)
-        return {"signs": array(nb * self.bucket_size // 8, np.uint8), "scales": array(nb, np.float32)}
+        return {
+            "signs": array(nb * self.bucket_size // 8, np.uint8),
+            "scales": array(nb, np.float32),
+        }
 
     def twin_encode(self, x):
         n, b = x.size, self.bucket_size

@@ -17,6 +17,7 @@ namespace jaxcomp {
 // product by its rounded reciprocal.
 JC_HD float signsgd_scale(float abs_sum, int64_t valid) { return abs_sum * (1.0f / static_cast<float>(valid)); }
 
+// -scale flips the sign bit only (NaN included), as the CPU decoder's XOR does.
 JC_HD float signsgd_value(bool negative, float scale) { return negative ? -scale : scale; }
 
 // ---------------------------------------------------------------------------
