@@ -50,6 +50,7 @@ def _finite(result):
     return all(math.isfinite(h[k]) for h in result["history"] for k in h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["float32", "qsgd:bits=4"])
 def test_image_classifier_steps(codec, tmp_path):
     from examples.image_classifier import main, train
@@ -71,6 +72,7 @@ def test_image_classifier_steps(codec, tmp_path):
     assert isinstance(train.Config(), train.Config)
 
 
+@pytest.mark.slow
 def test_image_classifier_learns_and_is_reproducible():
     from examples.image_classifier import train
     from examples.image_classifier.configs import tiny
@@ -86,6 +88,7 @@ def test_image_classifier_learns_and_is_reproducible():
     assert c["history"] != a["history"]
 
 
+@pytest.mark.slow
 def test_lm_steps():
     from examples.lm import main
 
