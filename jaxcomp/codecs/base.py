@@ -422,17 +422,22 @@ class Codec:
             raise ValueError(
                 f"{type(self).__name__}: payload arrays {list(arrays)}, expected {list(layout)}"
             )
+        self._check_arrays(arrays, layout, batched=True)
+        return Payload(self, shape, dtype, arrays)
+
+    def _check_arrays(self, arrays, layout, *, batched: bool, where: str = "") -> None:
+        """Each array against its layout entry: same dtype, and the same
+        shape (with ``batched``, the same last axis under any leading ones)."""
         for k, spec in layout.items():
             a = arrays[k]
-            if tuple(a.shape[a.ndim - 1 :]) != tuple(spec.shape) or np.dtype(a.dtype) != np.dtype(
-                spec.dtype
-            ):
+            shape = tuple(a.shape[a.ndim - 1 :]) if batched else tuple(a.shape)
+            if shape != tuple(spec.shape) or np.dtype(a.dtype) != np.dtype(spec.dtype):
                 raise ValueError(
-                    f"{type(self).__name__}: payload array {k!r} is "
+                    f"{type(self).__name__}{where}: payload array {k!r} is "
                     f"{np.dtype(a.dtype).name}{list(a.shape)}, expected "
                     f"{np.dtype(spec.dtype).name}{list(spec.shape)}"
+                    + ("" if batched else " (batched payloads: use jax.vmap)")
                 )
-        return Payload(self, shape, dtype, arrays)
 
     # -- encode / decode ---------------------------------------------------
     def check_input(self, x: Any) -> jax.Array:
@@ -495,14 +500,12 @@ class Codec:
             )
         if payload.codec != self:
             raise ValueError(f"{self!r}.decode got a payload of {payload.codec!r}")
-        for k, spec in self.layout(payload.shape, payload.dtype).items():
-            a = payload[k]
-            if tuple(a.shape) != tuple(spec.shape) or np.dtype(a.dtype) != np.dtype(spec.dtype):
-                raise ValueError(
-                    f"{type(self).__name__}.decode: payload array {k!r} is "
-                    f"{np.dtype(a.dtype).name}{list(a.shape)}, expected "
-                    f"{np.dtype(spec.dtype).name}{list(spec.shape)} (batched payloads: use jax.vmap)"
-                )
+        self._check_arrays(
+            payload.arrays,
+            self.layout(payload.shape, payload.dtype),
+            batched=False,
+            where=".decode",
+        )
         out = self._decode(payload, resolve_backend(backend))
         return out.reshape(payload.shape)
 

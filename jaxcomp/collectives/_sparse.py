@@ -29,6 +29,7 @@ from jaxcomp.collectives._util import (
     exchange,
     fold,
     record,
+    tier_index,
     transfer,
 )
 from jaxcomp.payload import Payload
@@ -159,8 +160,7 @@ def split_allgather(codec, flat, axis_name, size, key, div):
     if m == 0:
         owned = jnp.zeros((c,), jnp.float32)
     else:
-        index = jnp.sum(need > jnp.asarray(caps[:-1], jnp.int32)) if len(caps) > 1 else 0
-        owned = lax.switch(index, [branch(cap) for cap in caps], None)
+        owned = lax.switch(tier_index(need, caps), [branch(cap) for cap in caps], None)
     target = owned if div == 1 else owned / div
     dense = codec.value_codec or Identity()  # the dense stage: quantized, or raw
     p2 = dense.encode(target.astype(dtype), fold(key, size))

@@ -202,9 +202,15 @@ def transfer(
         return consume(exchange(op, payload, kind))
     caps = codec.capacity_tiers(payload.size)
     need = lax.pmax(jnp.max(codec.stream_length(payload)), axis_name)
-    index = jnp.sum(need > jnp.asarray(caps[:-1], jnp.int32)) if len(caps) > 1 else 0
+    index = tier_index(need, caps)
 
     def branch(cap):
         return lambda p: consume(exchange(op, codec.with_capacity(p, cap), kind))
 
     return lax.switch(index, [branch(c) for c in caps], payload)
+
+
+def tier_index(need: jax.Array, caps: tuple[int, ...]) -> jax.Array | int:
+    """The index of the smallest of the ascending capacities ``caps`` that
+    holds ``need`` bytes (the last one holds anything), for ``lax.switch``."""
+    return jnp.sum(need > jnp.asarray(caps[:-1], jnp.int32)) if len(caps) > 1 else 0
