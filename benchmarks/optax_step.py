@@ -1,0 +1,115 @@
+"""The optimizer step users run: ``optax.chain(compress_gradients(codec),
+sgd)`` against the plain data-parallel step (``lax.pmean`` of the gradients,
+then sgd), on N CPU devices of one process.
+
+    python benchmarks/optax_step.py                 # 8 devices, ~4.2M parameters
+    python benchmarks/optax_step.py --devices 4 --codecs qsgd:bits=4 onebit
+
+Each step takes per-device gradients and the optimizer state and returns the
+new parameters and state (jit + shard_map, state donated), so it times the
+whole update: error feedback, fusion, encode, the collectives, decode and
+the sgd update. The devices share this machine's memory and cores, so no
+link is slow here: the figure is the step's compute and copy overhead over
+``lax.pmean``, not the speedup over a slow network (benchmarks/collectives.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--codecs", nargs="+", default=["qsgd:bits=4", "onebit", "int8", "bf16"])
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
+    )
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    axis = "data"
+    mesh = jax.make_mesh((args.devices,), (axis,))
+    # An MLP-like tree: two 1024x1024 and one 2048x1024 weight, biases.
+    shapes = {"w1": (1024, 1024), "b1": (1024,), "w2": (1024, 2048), "b2": (2048,),
+              "w3": (2048, 1024), "b3": (1024,)}  # fmt: skip
+    params = jax.device_put(
+        {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}, NamedSharding(mesh, P())
+    )
+    n = sum(int(p.size) for p in params.values())
+    keys = jax.random.split(jax.random.key(0), len(shapes))
+    grads = {
+        k: jax.random.normal(kk, (args.devices, *s), jnp.float32)
+        for kk, (k, s) in zip(keys, shapes.items(), strict=True)
+    }
+    grads = jax.device_put(grads, NamedSharding(mesh, P(axis)))
+
+    def timed(step, state):
+        f = jax.jit(step, donate_argnums=(1,))
+        p, state = f(params, state, grads)
+        jax.block_until_ready(p)
+        times = []
+        for _ in range(args.reps):
+            t0 = time.perf_counter()
+            p, state = f(p, state, grads)
+            jax.block_until_ready(p)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    sgd = optax.sgd(1e-3)
+
+    def plain(p, s, g):
+        def body(p, s, g):
+            g = lax.pmean(jax.tree.map(lambda a: a[0], g), axis)
+            u, s = sgd.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        return jax.shard_map(
+            body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P()), check_vma=False
+        )(p, s, g)
+
+    base = timed(plain, sgd.init(params))
+    print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
+    print("| step | ms | x plain pmean step |")
+    print("|---|---|---|")
+    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |")
+    for spec in args.codecs:
+        tx = optax.chain(jc.optax.compress_gradients(jc.codecs.get(spec), axis), sgd)
+        state = jc.optax.init(tx, params, mesh, axis)
+        specs = jc.optax.state_specs(state, axis)
+
+        def step(p, s, g, tx=tx, specs=specs):
+            def body(p, s, g):
+                u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
+                return optax.apply_updates(p, u), s
+
+            return jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), specs, P(axis)),
+                out_specs=(P(), specs),
+                check_vma=False,
+            )(p, s, g)
+
+        t = timed(step, state)
+        print(f"| `{spec}` compress_gradients + sgd | {t * 1e3:.1f} | {t / base:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
