@@ -1,5 +1,5 @@
 // Device building blocks that the bucketed families' kernels share (cuda/qsgd.cu,
-// int8.cu, onebit.cu, cast.cu, terngrad.cu, natural.cu): loads and stores of
+// int8.cu, onebit.cu, cast.cu, terngrad.cu, natural.cu, signsgd.cu): loads and stores of
 // groups of 8 elements, sums in the halving-tree order of common.h, max|x|
 // and the map of buckets onto blocks. Device code only, no XLA. Each kernel
 // produces exactly the bytes of its family's CPU loops (ffi/<family>.cc); the

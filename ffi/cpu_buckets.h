@@ -1,8 +1,9 @@
 // CPU loop pieces that several bucketed families share (QSGD, Int8, OneBit,
-// TernGrad, Natural): loading and storing a bucket as float32, max|v|, the
-// halving-tree sum of common.h, bit packing of a bucket, the RNG key mixed
-// once, and the AVX2 building blocks of the hand-written paths. Free of XLA
-// types; inlined into the loops that use them (cpu_runtime.h: JC_CPU_LOOP).
+// TernGrad, Natural, SignSGD): loading and storing a bucket as float32,
+// max|v|, the halving-tree sum of common.h, bit packing of a bucket, the RNG
+// key mixed once, and the AVX2 building blocks of the hand-written paths, all
+// free of XLA types and inlined into the loops that use them (cpu_runtime.h:
+// JC_CPU_LOOP); then the pair families' CPU handlers, which are XLA's side.
 #pragma once
 
 #include <algorithm>
@@ -158,8 +159,10 @@ JC_AVX2 inline float tree_sum(__m256* v, int nv) {
 
 // ---------------------------------------------------------------------------
 // The CPU handlers of the pair families (handler.h). A family names its op,
-// its check and the function that runs one tensor, and registers the result:
-//   JAXCOMP_REGISTER(kDecode, (PairHandlers<ffi::S8, ffi::F32>::decode<kDecode, int8_check_decode, decode>));
+// its check and the function that runs one tensor (usually its bucket loop
+// through encode_buckets/decode_buckets), and registers the result:
+//   JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode,
+//                                               Handlers::decode_buckets<decode_range>>));
 // ---------------------------------------------------------------------------
 namespace jaxcomp {
 

@@ -99,8 +99,8 @@ Batch(const B&...) -> Batch<sizeof...(B)>;
 
 // ---------------------------------------------------------------------------
 // The pair families: those whose payload is codes plus one value per bucket,
-// with bucket_size their only attribute (Int8 and OneBit both ways, TernGrad
-// and Natural decode). Their handlers share one signature, bound here once
+// with bucket_size their only attribute (Int8, OneBit and SignSGD both ways,
+// TernGrad and Natural decode). Their handlers share one signature, bound here once
 // for both platforms (Context: ffi::ThreadPool or the CUDA stream); the
 // platform's PairHandlers (ffi/cpu_buckets.h, cuda/cuda_runtime.cuh) provide
 // the body, kImpl.

@@ -26,14 +26,8 @@ struct EncodeArgs {
   uint8_t* tops;
 };
 
-struct DecodeArgs {
-  DType dtype;
-  void* out;
-  int64_t n;
-  int bucket;
-  const uint8_t* codes;
-  const uint8_t* tops;
-};
+using Handlers = PairHandlers<ffi::U8, ffi::U8>;  // decode only: encode takes a seed
+using DecodeArgs = Handlers::DecodeArgs;           // side: the tops
 
 template <typename T, bool STOCHASTIC>
 void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
@@ -93,7 +87,7 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * B;
       const int64_t valid = std::min<int64_t>(B, a.n - start);
-      const uint32_t top = a.tops[b];
+      const uint32_t top = a.side[b];
       const uint8_t* in = a.codes + start;
       T* dst = out + start;
       for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(natural_value(in[i], top));
@@ -101,16 +95,11 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
   });
 }
 
-void decode(Runner& runner, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int bucket, void* out) {
-  for_buckets(runner, DecodeArgs{dt, out, n, bucket, codes, tops}, decode_range);
-}
-
 // ---------------------------------------------------------------------------
 // Handlers: decode is the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::U8>;
 constexpr char kDecode[] = "jaxcomp_natural_decode";
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, decode>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, Handlers::decode_buckets<decode_range>>));
 
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
                       ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,

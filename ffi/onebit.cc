@@ -19,23 +19,9 @@ namespace {
 // ---------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------
-struct EncodeArgs {
-  DType dtype;
-  const void* x;
-  int64_t n;
-  int bucket;
-  uint8_t* bits;
-  float* means;
-};
-
-struct DecodeArgs {
-  DType dtype;
-  void* out;
-  int64_t n;
-  int bucket;
-  const uint8_t* bits;
-  const float* means;
-};
+using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+using EncodeArgs = Handlers::EncodeArgs;  // codes: the bits; side: (avg+, avg-) per bucket
+using DecodeArgs = Handlers::DecodeArgs;
 
 #if JC_CPU_AVX2
 // The bucket routines stay out of line: inlined into the flattened loop they
@@ -76,7 +62,7 @@ JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* bits, float 
 
 // Buckets [b0, b1); with AVX2, full float32 buckets take the AVX2 path.
 template <bool AVX2>
-void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
+void encode_body(const EncodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
   std::vector<float> buf(B), pos(B), neg(B);
   std::vector<uint8_t> codes(B);
@@ -88,7 +74,7 @@ void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
     const int64_t valid = std::min<int64_t>(B, a.n - start);
 #if JC_CPU_AVX2
     if (AVX2 && a.dtype == DType::kF32 && valid == B) {
-      avx2::encode_bucket(static_cast<const float*>(a.x) + start, B, a.bits + b * (B / 8), a.means + 2 * b,
+      avx2::encode_bucket(static_cast<const float*>(a.x) + start, B, a.codes + b * (B / 8), a.side + 2 * b,
                           vpos.data(), vneg.data());
       continue;
     }
@@ -103,53 +89,44 @@ void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
       npos += (p && i < valid) ? 1u : 0u;
     }
     const uint32_t nneg = static_cast<uint32_t>(valid) - npos;
-    a.means[2 * b] = onebit_mean(cpu::tree_sum(pos.data(), B), npos);
-    a.means[2 * b + 1] = onebit_mean(cpu::tree_sum(neg.data(), B), nneg);
-    cpu::pack_bucket<1>(codes.data(), B, a.bits + b * (B / 8));
+    a.side[2 * b] = onebit_mean(cpu::tree_sum(pos.data(), B), npos);
+    a.side[2 * b + 1] = onebit_mean(cpu::tree_sum(neg.data(), B), nneg);
+    cpu::pack_bucket<1>(codes.data(), B, a.codes + b * (B / 8));
   }
 }
 
-JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
-
-void encode(Runner& runner, DType dt, const void* x, int64_t n, int bucket, uint8_t* bits, float* means) {
-  for_buckets(runner, EncodeArgs{dt, x, n, bucket, bits, means}, encode_range);
-}
+JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_body)
 
 template <bool AVX2>
-void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
+void decode_body(const DecodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
   std::vector<float> buf(B);
   std::vector<uint8_t> codes(B);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
-    const float hi = a.means[2 * b], lo = a.means[2 * b + 1];
+    const float hi = a.side[2 * b], lo = a.side[2 * b + 1];
 #if JC_CPU_AVX2
     if (AVX2 && a.dtype == DType::kF32 && valid == B) {
-      avx2::decode_bucket(a.bits + b * (B / 8), hi, lo, B, static_cast<float*>(a.out) + start);
+      avx2::decode_bucket(a.codes + b * (B / 8), hi, lo, B, static_cast<float*>(a.out) + start);
       continue;
     }
 #endif
-    cpu::unpack_bucket<1>(a.bits + b * (B / 8), B, codes.data());
+    cpu::unpack_bucket<1>(a.codes + b * (B / 8), B, codes.data());
     for (int i = 0; i < B; ++i) buf[i] = codes[i] ? hi : lo;
     cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
   }
 }
 
-JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
-
-void decode(Runner& runner, DType dt, const uint8_t* bits, const float* means, int64_t n, int bucket, void* out) {
-  for_buckets(runner, DecodeArgs{dt, out, n, bucket, bits, means}, decode_range);
-}
+JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_body)
 
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h), the bits being the codes
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
 constexpr char kEncode[] = "jaxcomp_onebit_encode";
 constexpr char kDecode[] = "jaxcomp_onebit_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, encode>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, decode>));
+JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, Handlers::encode_buckets<encode_range>>));
+JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, Handlers::decode_buckets<decode_range>>));
 
 }  // namespace
 }  // namespace jaxcomp

@@ -20,7 +20,7 @@ using Handlers = PairHandlers<ffi::U8, ffi::F32>;
 // ---------------------------------------------------------------------------
 JC_CPU_LOOP void encode_range(const Handlers::EncodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  std::vector<float> buf(B), mag(B);
+  std::vector<float> buf(B);
   std::vector<uint8_t> signs(B);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
@@ -28,9 +28,9 @@ JC_CPU_LOOP void encode_range(const Handlers::EncodeArgs& a, int64_t b0, int64_t
     cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
     for (int i = 0; i < B; ++i) {
       signs[i] = buf[i] < 0.0f ? 1 : 0;
-      mag[i] = std::fabs(buf[i]);
+      buf[i] = std::fabs(buf[i]);
     }
-    a.side[b] = signsgd_scale(cpu::tree_sum(mag.data(), B), valid);
+    a.side[b] = signsgd_scale(cpu::tree_sum(buf.data(), B), valid);
     cpu::pack_bucket<1>(signs.data(), B, a.codes + b * (B / 8));
   }
 }
