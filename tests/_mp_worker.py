@@ -4,7 +4,9 @@
 
 Joins a jax.distributed job on loopback (gloo CPU collectives, one CPU device
 per process), runs jc.psum for every (codec, algorithm) case on the same
-deterministic global input, and saves this process's rows of value and sent.
+deterministic global input, with a server residual (two-level error
+feedback) where the algorithm has one, and saves this process's rows of
+value, sent and the new server residual.
 """
 
 import sys
@@ -34,17 +36,25 @@ def global_input(num: int) -> np.ndarray:
     return np.random.default_rng(0).standard_normal((num, N)).astype(np.float32)
 
 
-def run(mesh, x, codec, algorithm):
+def global_state(codec, algorithm, num: int) -> np.ndarray:
+    """Every device's server residual, deterministic: [num, state_size]."""
     import jaxcomp as jc
 
-    def f(x, k):
-        r = jc.psum(x[0], "data", codec, key=k, algorithm=algorithm)
-        return r.value[None], r.sent[None]
+    m = jc.collectives.state_size(codec, N, np.float32, num, algorithm)
+    return np.random.default_rng(1).standard_normal((num, m)).astype(np.float32)
 
-    g = jax.jit(
-        jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"), P("data")))
-    )
-    return g(x, jax.random.key(7))
+
+def run(mesh, x, codec, algorithm, state):
+    """(value, sent, new state) of jc.psum with a server residual."""
+    import jaxcomp as jc
+
+    def f(x, st, k):
+        r = jc.psum(x[0], "data", codec, key=k, algorithm=algorithm, state=st[0])
+        return r.value[None], r.sent[None], r.state[None]
+
+    spec = P("data")
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec,) * 3))
+    return g(x, state, jax.random.key(7))
 
 
 def main() -> None:
@@ -61,10 +71,13 @@ def main() -> None:
     x = jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
     results = {}
     for i, (name, params, algorithm) in enumerate(CASES):
-        value, sent = run(mesh, x, jc.codecs.get(name, **params), algorithm)
-        (v,) = [np.asarray(s.data) for s in value.addressable_shards]
-        (s_,) = [np.asarray(s.data) for s in sent.addressable_shards]
-        results[f"value{i}"], results[f"sent{i}"] = v, s_
+        codec = jc.codecs.get(name, **params)
+        st = global_state(codec, algorithm, num)
+        state = jax.make_array_from_callback(st.shape, sharding, lambda idx, st=st: st[idx])
+        outs = run(mesh, x, codec, algorithm, state)
+        for what, arr in zip(("value", "sent", "state"), outs, strict=True):
+            (mine,) = [np.asarray(s.data) for s in arr.addressable_shards]
+            results[f"{what}{i}"] = mine
     np.savez(out, **results)
     jax.distributed.shutdown()
 

@@ -438,3 +438,123 @@ def test_wire_log_of_fixed_rate_equals_the_accounting(mesh):
         per_device[kind] = per_device.get(kind, 0) + b
     per_device = {k: v // N_DEV for k, v in per_device.items()}
     assert per_device == jcc.operand_nbytes(codec, (n,), jnp.float32, N_DEV, "two_phase")
+
+
+# ---------------------------------------------------------------------------
+# Two-level error feedback: the server residual (state=)
+# ---------------------------------------------------------------------------
+def _run_state(mesh, codec, alg, x, state, fn=jcc.psum):
+    axis = "data" if mesh.axis_names == ("data",) else tuple(mesh.axis_names)
+    spec = P(axis)
+
+    def f(x, st, k):
+        r = fn(x[0], axis, codec, key=k, algorithm=alg, state=st[0])
+        return r.value[None], r.sent[None], r.state[None]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(spec, spec, P()), out_specs=(spec,) * 3))
+    return g(x, state, KEY)
+
+
+@pytest.fixture(scope="module")
+def mesh42():
+    """Four nodes of two: the slow axis is large enough for two-phase."""
+    if len(jax.devices()) < N_DEV:
+        pytest.skip(f"needs {N_DEV} devices")
+    return jax.make_mesh((4, 2), ("node", "local"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+STATE_CASES = [
+    (jc.codecs.OneBit(bucket_size=64), "two_phase", 1001),
+    (jc.codecs.TernGrad(bucket_size=64), "two_phase", 64),
+    (jc.codecs.QSGD(bits=4, bucket_size=64), "ring", 1001),
+    (jc.codecs.Cast("bfloat16"), "ring", 64),
+    (jc.codecs.ThreeLC(), "two_phase", 1001),
+    (jc.codecs.TopK(fraction=0.3, value_codec=jc.codecs.QSGD(bits=4)), "sparse", 1001),
+    (jc.codecs.TopK(fraction=0.3), "sparse", 1001),
+    (jc.codecs.TopK(fraction=0.01), "sparse", 1001),  # static: no state
+    (jc.codecs.Int8(bucket_size=64), "allgather", 1001),  # no state
+    (jc.codecs.QSGD(bits=4, bucket_size=64), "hierarchical", 999),
+]
+
+
+@pytest.mark.parametrize("fn", [jcc.psum, jcc.pmean], ids=["psum", "pmean"])
+@pytest.mark.parametrize("codec, alg, n", STATE_CASES, ids=repr)
+def test_server_state_conserves(mesh, mesh42, codec, alg, n, fn):
+    """With a server residual, what the devices sent plus what the states
+    released (div x (old - new), at their positions) adds up to div x the
+    value; the value is identical on every device and sent is the device's
+    own first compression."""
+    m = mesh42 if alg == "hierarchical" else mesh
+    sizes = (4, 2) if alg == "hierarchical" else N_DEV
+    size = jcc.state_size(codec, n, jnp.float32, sizes, alg)
+    # A state exactly where the algorithm compresses a second time (the
+    # static sparse all-reduce and allgather compress once).
+    assert (size > 0) == (alg not in ("allgather",) and codec != jc.codecs.TopK(fraction=0.01))
+    x = jax.random.normal(jax.random.key(n), (N_DEV, n))
+    st = 0.3 * jax.random.normal(jax.random.key(1), (N_DEV, size))
+    v, s, st2 = (np.asarray(a, np.float64) for a in _run_state(m, codec, alg, x, st, fn))
+    assert np.all(v == v[0]), "value differs between devices"
+    div = N_DEV if fn is jcc.pmean else 1
+    pos = jcc.state_positions(codec, n, jnp.float32, sizes, alg)
+    assert pos.shape == (N_DEV, size)
+    released = np.zeros(n)
+    delta = div * (np.asarray(st, np.float64) - st2)
+    np.add.at(released, pos[pos >= 0], delta[pos >= 0])
+    np.testing.assert_allclose(s.sum(0) + released, div * v[0], rtol=1e-5, atol=2e-5)
+    if size and not (alg == "sparse" and codec.value_codec is None):  # raw f32: exact
+        assert np.abs(st2).max() > 0  # the stage's error went into the state
+    # Every position of the tensor is held by at most one state element per
+    # device, and (ring) by exactly one per device.
+    for d in range(N_DEV):
+        row = pos[d][pos[d] >= 0]
+        assert len(np.unique(row)) == len(row)
+        if alg == "ring":
+            assert set(row) == set(range(n))
+
+
+def test_ring_with_state_sends_the_input_itself(mesh):
+    """Ring with a server residual: every step's error stays in the state,
+    so a device's sent is its input."""
+    codec = jc.codecs.OneBit(bucket_size=64)
+    x = jax.random.normal(jax.random.key(3), (N_DEV, 500))
+    st = jnp.zeros((N_DEV, jcc.state_size(codec, 500, jnp.float32, N_DEV, "ring")))
+    _, s, _ = _run_state(mesh, codec, "ring", x, st)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x))
+
+
+def test_server_state_is_checked(mesh):
+    codec = jc.codecs.OneBit(bucket_size=64)
+    x = jnp.ones((N_DEV, 1001))
+    with pytest.raises(ValueError, match=r"state must be float32\[128\]"):
+        _run_state(mesh, codec, "two_phase", x, jnp.zeros((N_DEV, 127)))
+    with pytest.raises(ValueError, match="state must be float32"):
+        _run_state(mesh, codec, "two_phase", x, jnp.zeros((N_DEV, 128), jnp.bfloat16))
+    assert jcc.init_state(codec, (1001,), jnp.float32, N_DEV, "two_phase").shape == (128,)
+    assert jcc.init_state(codec, (1001,), jnp.float32, 1, "two_phase").shape == (0,)
+
+
+def test_without_state_the_result_is_unchanged(mesh):
+    """state=None is the one-level algorithm, bit for bit as before: the
+    second stage's error is in sent."""
+    codec = jc.codecs.QSGD(bits=4, bucket_size=64)
+    x = jax.random.normal(jax.random.key(4), (N_DEV, 1001))
+    _, (v, s) = _run(mesh, codec, "two_phase", x)
+    zero = jnp.zeros((N_DEV, jcc.state_size(codec, 1001, jnp.float32, N_DEV, "two_phase")))
+    v2, s2, _ = _run_state(mesh, codec, "two_phase", x, zero)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(v2))  # same value from a zero state
+    assert not np.array_equal(np.asarray(s), np.asarray(s2))  # the error moved out of sent
+
+
+def test_auto_follows_the_codecs_recompression():
+    """auto: allgather for TernGrad (unsafe) at any size, for coarse codecs
+    up to 8 devices, two-phase for the rest."""
+    choose = jcc.choose_algorithm
+    assert choose(jc.codecs.TernGrad(), 4096, 64) == "allgather"
+    for codec in (jc.codecs.OneBit(), jc.codecs.SignSGD(), jc.codecs.ThreeLC(sparsity=1.5)):
+        assert choose(codec, 4096, 8) == "allgather", codec
+        assert choose(codec, 4096, 16) == "two_phase", codec
+    for codec in (jc.codecs.QSGD(), jc.codecs.Int8(), jc.codecs.ThreeLC(), jc.codecs.Natural()):
+        assert choose(codec, 4096, 8) == "two_phase", codec
+    assert jcc.recompression_warning(jc.codecs.TernGrad(), "ring")
+    assert jcc.recompression_warning(jc.codecs.TernGrad(), "allgather") is None
+    assert jcc.recompression_warning(jc.codecs.OneBit(), "two_phase") is None

@@ -1,7 +1,8 @@
 """jc.psum across separate processes (jax.distributed on loopback, gloo CPU
-collectives) gives the same bytes as the same computation in one process (for
-linear codecs, whose payloads are summed by the backend's all-reduce, the
-same sum up to its order)."""
+collectives) gives the same bytes as the same computation in one process,
+value, sent and the new server residual alike (for linear codecs, whose
+payloads are summed by the backend's all-reduce, the same sum up to its
+order)."""
 
 import os
 import pathlib
@@ -62,12 +63,17 @@ def test_psum_across_processes_matches_one_process(tmp_path, num):
     results = [np.load(tmp_path / f"{i}.npz") for i in range(num)]
     for c, (name, params, algorithm) in enumerate(_mp_worker.CASES):
         codec = jc.codecs.get(name, **params)
-        value, sent = _mp_worker.run(mesh, x, codec, algorithm)
+        state = _mp_worker.global_state(codec, algorithm, num)
+        value, sent, new_state = _mp_worker.run(mesh, x, codec, algorithm, state)
         for i, got in enumerate(results):
             what = f"{name} {algorithm} process {i}"
             np.testing.assert_array_equal(
                 got[f"sent{c}"], np.asarray(sent)[i : i + 1], err_msg=what
             )
+            if new_state.size:  # an algorithm with a second compression
+                np.testing.assert_array_equal(
+                    got[f"state{c}"], np.asarray(new_state)[i : i + 1], err_msg=what
+                )
             if codec.rate is jc.codecs.Rate.LINEAR:
                 # One psum of the payloads: the sum's order is the backend's
                 # (gloo's ring here), the same on every process.

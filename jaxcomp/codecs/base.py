@@ -221,6 +221,15 @@ class Codec:
     rate: ClassVar[Rate] = Rate.FIXED
     stochastic: ClassVar[bool] = False
     seeded: ClassVar[bool] = False  # the encode kernel takes two uint32 seed words
+    #: How training with error feedback takes a second compression of a
+    #: reduced (summed) chunk, as the two-phase all-reduce and the ring make:
+    #: "fine" (as well as one compression), "coarse" (it trains, but loses
+    #: accuracy that one compression per device does not: 1-bit codecs,
+    #: 3LC with sparsity above 1) or "unsafe" (the server residual grows
+    #: without bound and training diverges: TernGrad, whose ternary rounding
+    #: is not a contraction). Measured in docs/accuracy.md; it decides
+    #: ``algorithm="auto"`` (``jc.collectives.choose_algorithm``).
+    recompression: ClassVar[str] = "fine"
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:

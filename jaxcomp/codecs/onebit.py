@@ -40,6 +40,7 @@ class OneBit(BucketedCodec):
     bucket_size: int = 64
 
     name: ClassVar[str] = "onebit"
+    recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 2
 
     def arrays(self, n, dtype):

@@ -45,6 +45,7 @@ class SignSGD(BucketedCodec):
     bucket_size: int = 512
 
     name: ClassVar[str] = "signsgd"
+    recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 9
 
     def arrays(self, n, dtype):

@@ -43,6 +43,7 @@ class TernGrad(BucketedCodec):
     bucket_size: int = 512
 
     name: ClassVar[str] = "terngrad"
+    recompression: ClassVar[str] = "unsafe"  # see Codec.recompression
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True

@@ -105,6 +105,13 @@ class ThreeLC(VariableRateCodec):
     name: ClassVar[str] = "threelc"
     codec_id: ClassVar[int] = 7
 
+    @property
+    def recompression(self) -> str:  # type: ignore[override]
+        """Codec.recompression: with s = 1.0 the two-phase all-reduce trains
+        as allgather does; above it the owner's second rounding drops too
+        much of the reduced chunk (docs/accuracy.md)."""
+        return "coarse" if self.sparsity > 1.0 else "fine"
+
     def __post_init__(self):
         object.__setattr__(self, "sparsity", _check_sparsity(self.sparsity))
         if self.capacity is not None:

@@ -10,31 +10,43 @@ Kernels only ever see this device's data.
 identical on every device of the axis, and ``sent`` is what this device's
 input became after compression, in float32: summed over the devices, the
 ``sent`` of every device equals ``value`` up to float rounding, which is what
-lets error feedback (``residual = x - sent``) lose nothing.
+lets error feedback (``residual = x - sent``) lose nothing. Algorithms that
+compress twice can keep their second stage's error in an explicit per-device
+``state`` (a server residual: two-level error feedback, see ``psum``).
 """
 
 from __future__ import annotations
 
 from jaxcomp.collectives._core import (
     ALGORITHMS,
+    COARSE_ALLGATHER_MAX_DEVICES,
     Reduced,
     choose_algorithm,
+    init_state,
     operand_nbytes,
     pmean,
     psum,
+    recompression_warning,
     send_nbytes,
+    state_positions,
+    state_size,
     uncompressed_send_nbytes,
 )
 from jaxcomp.collectives._util import tier_capacities, wire_log
 
 __all__ = [
     "ALGORITHMS",
+    "COARSE_ALLGATHER_MAX_DEVICES",
     "Reduced",
     "choose_algorithm",
+    "init_state",
     "operand_nbytes",
     "pmean",
     "psum",
+    "recompression_warning",
     "send_nbytes",
+    "state_positions",
+    "state_size",
     "tier_capacities",
     "uncompressed_send_nbytes",
     "wire_log",

@@ -28,6 +28,7 @@ from jaxcomp.collectives._util import (
     decode_rows,
     exchange,
     fold,
+    owner_stage,
     record,
     tier_index,
     transfer,
@@ -96,9 +97,10 @@ def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
     )
 
 
-def static_allreduce(codec, flat, axis_name, size, key, div):
+def static_allreduce(codec, flat, axis_name, size, key, div, state=None):
     """Every device's pairs to everyone (``all_gather`` of the payloads as
-    they are), summed into a dense tensor."""
+    they are), summed into a dense tensor (one compression: no server
+    residual)."""
     del size
     n = flat.size
     p = codec.encode(flat, key)
@@ -108,7 +110,7 @@ def static_allreduce(codec, flat, axis_name, size, key, div):
 
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
     total = transfer(p, axis_name, "all-gather", gather, consume)
-    return (total if div == 1 else total / div), decode_f32(p)
+    return (total if div == 1 else total / div), decode_f32(p), state
 
 
 def _route(idx, vals, start, end, c, size, cap, dtype):
@@ -124,13 +126,14 @@ def _route(idx, vals, start, end, c, size, cap, dtype):
     return local, v
 
 
-def split_allgather(codec, flat, axis_name, size, key, div):
+def split_allgather(codec, flat, axis_name, size, key, div, state=None):
     """DSAR_Split_allgather: device j owns indices [j c, (j+1) c). The pairs
     of each range go to their owner (``all_to_all`` in a static capacity
     tier agreed by ``pmax``, as for variable-rate codecs), the owner sums
     them densely, and the owned ranges are all-gathered dense: raw, or
     through the codec's ``value_codec`` where it has one (SparCML section
-    6), the owner carrying that stage's error in its ``sent``."""
+    6). That stage's error stays in the owner's server residual (``state``,
+    the owned range) or, without one, is charged to the owner's ``sent``."""
     n, dtype = flat.size, flat.dtype
     me = lax.axis_index(axis_name)
     c = _owned_len(n, size)
@@ -161,26 +164,26 @@ def split_allgather(codec, flat, axis_name, size, key, div):
         owned = jnp.zeros((c,), jnp.float32)
     else:
         owned = lax.switch(tier_index(need, caps), [branch(cap) for cap in caps], None)
-    target = owned if div == 1 else owned / div
     dense = codec.value_codec or Identity()  # the dense stage: quantized, or raw
-    p2 = dense.encode(target.astype(dtype), fold(key, size))
-    final_mine = decode_f32(p2)
+    p2, _, new_state, error = owner_stage(dense, owned, div, state, fold(key, size), dtype)
     gathered = exchange(lambda a: lax.all_gather(a, axis_name), p2, "all-gather")
     total = decode_rows(gathered).reshape(-1)[:n]
-    # The dense stage's error on my range (in units of the sum) is mine.
-    error = final_mine - owned if div == 1 else final_mine * div - owned
+    if error is None:
+        return total, sent, new_state
+    # One-level error feedback: the dense stage's error on my range (in
+    # units of the sum) is mine.
     full = jnp.pad(sent, (0, size * c - n))
     start_me = me * c
     full = lax.dynamic_update_slice(
         full, lax.dynamic_slice(full, (start_me,), (c,)) + error, (start_me,)
     )
-    return total, full[:n]
+    return total, full[:n], None
 
 
-def sparse(codec, flat, axis_name, size, key, div):
+def sparse(codec, flat, axis_name, size, key, div, state=None):
     """The ``sparse`` algorithm: static sparse all-reduce or
     DSAR_Split_allgather, by :func:`static_fits`."""
     _check(codec)
     if static_fits(codec, flat.size, flat.dtype, size):
-        return static_allreduce(codec, flat, axis_name, size, key, div)
-    return split_allgather(codec, flat, axis_name, size, key, div)
+        return static_allreduce(codec, flat, axis_name, size, key, div, state)
+    return split_allgather(codec, flat, axis_name, size, key, div, state)

@@ -96,6 +96,35 @@ def chunk_len(codec: Codec, n: int, parts: int) -> int:
     return -(-c // g) * g if g else c
 
 
+def owner_stage(codec: Codec, reduced: jax.Array, div: int, state, key, dtype):
+    """The last compression of a reduced chunk, by the device that owns it
+    (two-phase, the ring's last scatter-reduce step, the sparse split's
+    dense stage).
+
+    With a server residual ``state`` (float32, the chunk's length, in units
+    of the result: of the mean for ``pmean``), the owner compresses
+    ``reduced / div + state`` and keeps what that compression missed as the
+    new state: two-level error feedback, each residual at the scale of what
+    it compresses (DeepSpeed's compressed all-reduce for 1-bit Adam keeps a
+    worker and a server error the same way). Without one (``state`` None)
+    the error is returned in units of the sum, for the caller to charge to
+    the owner's ``sent`` (one-level error feedback).
+
+    Returns:
+      ``(payload, decoded float32, new_state, error)``: ``new_state`` None
+      without a state, ``error`` None with one.
+    """
+    target = reduced if div == 1 else reduced / div
+    if state is not None:
+        target = target + state
+    payload = codec.encode(target.astype(dtype), key)
+    hat = decode_f32(payload)
+    if state is not None:
+        return payload, hat, target - hat, None
+    error = hat - reduced if div == 1 else hat * div - reduced
+    return payload, hat, None, error
+
+
 def padded(flat: jax.Array, total: int) -> jax.Array:
     return flat if flat.size == total else jnp.pad(flat, (0, total - flat.size))
 

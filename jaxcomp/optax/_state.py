@@ -57,7 +57,8 @@ def state_specs(opt_state, axis_name) -> Any:
     Per-device leaves get ``P(axis_name)`` (sharded along the data axis, one
     row per device), everything else ``P()`` (replicated). Per-device are:
     the residuals of every :class:`CompressState` (one
-    ``[devices, *leaf.shape]`` array per floating-point parameter leaf), and
+    ``[devices, *leaf.shape]`` array per floating-point parameter leaf) and
+    its server residuals (one ``[devices, m]`` array per fused bucket), and
     the accumulated gradients of an ``optax.MultiSteps`` whose inner state
     holds a ``compress_gradients`` state (they are summed before the
     compressed all-reduce, so they differ per device; they are stored
@@ -78,7 +79,10 @@ def state_specs(opt_state, axis_name) -> Any:
     def walk(x):
         if isinstance(x, CompressState):
             rep = jax.tree.map(lambda _: P(), x)
-            return rep._replace(residuals=jax.tree.map(lambda _: spec, x.residuals))
+            return rep._replace(
+                residuals=jax.tree.map(lambda _: spec, x.residuals),
+                server_residuals=jax.tree.map(lambda _: spec, x.server_residuals),
+            )
         if isinstance(x, optax.MultiStepsState):
             inner = jax.tree.map(walk, x.inner_opt_state, is_leaf=is_node)
             rest = jax.tree.map(lambda _: P(), x._replace(inner_opt_state=None))

@@ -54,26 +54,36 @@ def pack(plan: Plan, leaves: list, residuals: list) -> tuple[jax.Array, ...]:
     return tuple(fused(g) for g in plan.groups)
 
 
-def _compressed_mean(buckets, accs, *, axes, key, algorithm):
-    values, sent = [], []
+def _compressed_mean(buckets, operands, *, axes, key, algorithm):
+    accs, servers = operands
+    values, sent, new_servers = [], [], []
     for j, (b, acc) in enumerate(zip(buckets, accs, strict=True)):
         r = pmean(
-            acc.astype(b.dtype), axes, b.codec, key=jax.random.fold_in(key, j), algorithm=algorithm
+            acc.astype(b.dtype),
+            axes,
+            b.codec,
+            key=jax.random.fold_in(key, j),
+            algorithm=algorithm,
+            state=None if servers is None else servers[j],
         )
         values.append(r.value)
         sent.append(r.sent)
-    return tuple(values), tuple(sent)
+        new_servers.append(r.state)
+    return tuple(values), tuple(sent), None if servers is None else tuple(new_servers)
 
 
-def _exact_mean(groups, accs, *, axes):
+def _exact_mean(groups, operands, *, axes):
+    """The exact mean; server residuals (if any) pass through unchanged."""
+    accs, servers = operands
     sent = tuple(acc.astype(g.dtype) for g, acc in zip(groups, accs, strict=True))
     if not sent:
-        return (), ()
+        return (), (), servers
     values = lax.pmean(sent, axes)  # one all-reduce for all the groups
-    return tuple(values), tuple(s.astype(a.dtype) for s, a in zip(sent, accs, strict=True))
+    sent = tuple(s.astype(a.dtype) for s, a in zip(sent, accs, strict=True))
+    return tuple(values), sent, servers
 
 
-def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup):
+def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None):
     """The mean over the devices of every group's buffer.
 
     The compressed buckets go through ``jc.pmean`` with their codec (one
@@ -89,22 +99,25 @@ def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup):
       algorithm: ``jc.pmean``'s algorithm.
       warmup: bool[], whether this step sends the buckets exactly; None when
         it never does (no ``lax.cond`` is traced then).
+      servers: this device's server residual of every compressed bucket
+        (``jc.pmean``'s ``state``), or None (one-level error feedback).
     Returns:
-      ``(means, sent)``, one entry per group: the mean, in the group's
-      dtype and identical on every device; what this device's buffer became
-      on the wire, in the buffer's dtype.
+      ``(means, sent, servers)``: per group, the mean, in the group's
+      dtype and identical on every device, and what this device's buffer
+      became on the wire, in the buffer's dtype; the new server residuals
+      (None without).
     """
     nb = len(plan.buckets)
     compressed = functools.partial(
         _compressed_mean, plan.buckets, axes=axes, key=key, algorithm=algorithm
     )
     if warmup is None or not nb:
-        means, sent = compressed(accs[:nb])
+        means, sent, servers = compressed((accs[:nb], servers))
     else:
         exact = functools.partial(_exact_mean, plan.buckets, axes=axes)
-        means, sent = lax.cond(warmup, exact, compressed, accs[:nb])
-    exact_means, exact_sent = _exact_mean(plan.groups[nb:], accs[nb:], axes=axes)
-    return means + exact_means, sent + exact_sent
+        means, sent, servers = lax.cond(warmup, exact, compressed, (accs[:nb], servers))
+    exact_means, exact_sent, _ = _exact_mean(plan.groups[nb:], (accs[nb:], None), axes=axes)
+    return means + exact_means, sent + exact_sent, servers
 
 
 def all_finite(arrays) -> jax.Array:

@@ -5,6 +5,7 @@ gradients."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.collectives import ALGORITHMS
+from jaxcomp.collectives import ALGORITHMS, recompression_warning, state_size
 from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan
 from jaxcomp.optax._step import all_finite, pack, reduce, unpack
 from jaxcomp.optax._telemetry import Telemetry, global_norm, step_telemetry
@@ -40,17 +41,46 @@ class CompressState(NamedTuple):
         ``optax.MaskedNode()`` for the others (integer parameters, whose
         gradients are float0, and complex ones). ``()`` without error
         feedback.
+      server_residuals: this device's server residuals (two-level error
+        feedback): a tuple with one float32[1, m] array per compressed
+        fused bucket, ``m`` = ``jc.collectives.state_size`` of the bucket
+        (the chunk this device owns in the two-phase all-reduce, 0 for an
+        algorithm that compresses once). Like ``residuals``, one row per
+        device. ``()`` without error feedback or with
+        ``server_error_feedback=False``.
       telemetry: :class:`Telemetry` of the last step (replicated).
     """
 
     step: jax.Array
     key: jax.Array
     residuals: Any
+    server_residuals: tuple
     telemetry: Telemetry
 
 
 def _axis_names(axis_name) -> tuple:
     return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+_WARNED: set[tuple] = set()
+
+
+def _warn_unsafe(plan: Plan, algorithm: str) -> None:
+    """Warns once per (codec, algorithm) that error feedback cannot train."""
+    for b in plan.buckets:
+        why = recompression_warning(b.codec, algorithm)
+        if why and (b.codec, algorithm) not in _WARNED:
+            _WARNED.add((b.codec, algorithm))
+            warnings.warn(f"{_WHO}: {why}", RuntimeWarning, stacklevel=4)
+
+
+def _axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:
+    """The sizes of the axes where they are bound (inside the mapped
+    function), else None."""
+    try:
+        return tuple(int(lax.axis_size(a)) for a in _axis_names(axis_name))
+    except NameError:
+        return None
 
 
 def _bound_axis_sizes(axis_name) -> tuple[int, ...]:
@@ -186,6 +216,60 @@ def _write_residuals(plan: Plan, old: list, new: list, keep) -> Any:
 
 
 # ---------------------------------------------------------------------------
+# The server residuals: one [1, m] row per compressed bucket per device
+# ---------------------------------------------------------------------------
+def _server_sizes(plan: Plan, sizes: tuple[int, ...], algorithm: str) -> tuple[int, ...]:
+    axis_sizes = sizes[0] if len(sizes) == 1 else sizes
+    return tuple(state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets)
+
+
+def _zero_servers(plan: Plan, sizes, algorithm: str) -> tuple:
+    """Zero server residuals; where the axes are not bound (``tx.init``
+    outside the mapped function, or ``jax.eval_shape`` of it), empty rows
+    that ``update`` rejects with a message saying how to create the state."""
+    if sizes is None:
+        return tuple(jnp.zeros((1, 0), jnp.float32) for _ in plan.buckets)
+    return tuple(jnp.zeros((1, m), jnp.float32) for m in _server_sizes(plan, sizes, algorithm))
+
+
+def _read_servers(plan: Plan, servers, sizes, algorithm: str) -> list:
+    """This device's server residual of every bucket, checked."""
+    want = _server_sizes(plan, sizes, algorithm)
+    got = (
+        tuple(tuple(getattr(s, "shape", ())) for s in servers)
+        if isinstance(servers, tuple)
+        else None
+    )
+    if got is None or len(got) != len(want):
+        raise ValueError(
+            f"{_WHO}: the state holds {len(servers) if got is not None else 'no'} server "
+            f"residuals, but this step has {len(want)} compressed buckets: was the state "
+            "initialized with other parameters, codecs, fusion_bytes or min_compress_size, "
+            "or with server_error_feedback=False?"
+        )
+    for b, m, shape, s in zip(plan.buckets, want, got, servers, strict=True):
+        if shape == (1, 0) and m:
+            raise ValueError(
+                f"{_WHO}: the state's server residuals are empty: it was initialized outside "
+                "the mapped function, where the number of devices is unknown. Create it with "
+                "jc.optax.init(tx, params, mesh, axis_name) under jax.shard_map, or "
+                "jax.pmap(tx.init, axis_name=...) under jax.pmap."
+            )
+        if len(shape) == 2 and shape[0] != 1 and shape[1] == m:
+            raise _replicated_error(f"the server residual of the bucket of {b.codec!r}", shape[0])
+        if shape != (1, m) or s.dtype != jnp.float32:
+            raise ValueError(
+                f"{_WHO}: the state's server residual for the bucket of {b.codec!r} "
+                f"({b.size} values) has shape {shape}, expected (1, {m}) for "
+                f"algorithm={algorithm!r} on axes of sizes {sizes}: the server residuals "
+                "depend on the fused buckets, the algorithm and the number of devices, so "
+                "restore a state under the same fusion_bytes, codec policy, algorithm and "
+                "mesh (the per-leaf residuals do not)"
+            )
+    return tuple(s[0] for s in servers)
+
+
+# ---------------------------------------------------------------------------
 # The transformation
 # ---------------------------------------------------------------------------
 def compress_gradients(
@@ -193,6 +277,7 @@ def compress_gradients(
     axis_name: str | tuple[str, str],
     *,
     error_feedback: bool = True,
+    server_error_feedback: bool = True,
     algorithm: str = "auto",
     fusion_bytes: int | None = None,
     min_compress_size: int | None = None,
@@ -236,6 +321,13 @@ def compress_gradients(
       axis_name: the data-parallel mesh / pmap axis; a pair
         ``(slow, fast)`` selects the hierarchical algorithm.
       error_feedback: carry what compression dropped to the next step.
+      server_error_feedback: with ``error_feedback``, also keep the error of
+        the algorithm's second stage (two-phase, ring, the sparse split)
+        where it was made, in per-device server residuals at the scale of
+        what that stage compresses (two-level error feedback, as DeepSpeed's
+        1-bit Adam does). False charges it to the chunk owner's residual at
+        the scale of the sum (one-level), which needs no extra memory but
+        makes some codecs train worse or diverge (docs/collectives.md).
       algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
       fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
         larger than this is a bucket of its own); None: 64 MiB.
@@ -257,6 +349,7 @@ def compress_gradients(
         algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype
     )
     error_feedback, residual_norm = bool(error_feedback), bool(residual_norm)
+    two_level = error_feedback and bool(server_error_feedback)
     no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
 
     def plan_for(tree) -> Plan:
@@ -271,6 +364,9 @@ def compress_gradients(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
             residuals=_zero_residuals(plan, residual_dtype) if error_feedback else (),
+            server_residuals=(
+                _zero_servers(plan, _axis_sizes_or_none(axis_name), algorithm) if two_level else ()
+            ),
             telemetry=Telemetry(zero, zero, zero, zero),
         )
 
@@ -281,25 +377,39 @@ def compress_gradients(
         plan = plan_for(grads)
         sizes = _bound_axis_sizes(axis_name)
         axes = axis_name if len(sizes) == 1 else tuple(axis_name)
+        if error_feedback:
+            _warn_unsafe(plan, algorithm)
         leaves = plan.treedef.flatten_up_to(grads)
         old = [None] * len(leaves)
         if error_feedback:
             old = _read_residuals(plan, state.residuals, residual_dtype)
+        servers = None
+        if two_level:
+            servers = _read_servers(plan, state.server_residuals, sizes, algorithm)
         next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
         in_warmup = state.step < warmup_steps
 
         accs = pack(plan, leaves, old)
         warmup = None if no_warmup else in_warmup
-        means, sent = reduce(plan, accs, axes, key=step_key, algorithm=algorithm, warmup=warmup)
+        means, sent, new_servers = reduce(
+            plan, accs, axes, key=step_key, algorithm=algorithm, warmup=warmup, servers=servers
+        )
         out = unpack(plan, leaves, accs, means, sent, residual_dtype if error_feedback else None)
 
         ok = all_finite(means)  # identical on every device, as the means are
-        residuals = _write_residuals(plan, old, out.residuals, ok & out.residuals_finite)
+        keep = ok & out.residuals_finite
+        if two_level:
+            keep = keep & all_finite(new_servers)
+            server_residuals = tuple(
+                jnp.where(keep, n, o)[None] for o, n in zip(servers, new_servers, strict=True)
+            )
+        residuals = _write_residuals(plan, old, out.residuals, keep)
         norm = global_norm(residuals, axes) if residual_norm else jnp.zeros((), jnp.float32)
         return plan.treedef.unflatten(out.updates), CompressState(
             step=jnp.where(ok, state.step + 1, state.step),
             key=jnp.where(ok, jax.random.key_data(next_key), state.key),
             residuals=residuals if error_feedback else (),
+            server_residuals=server_residuals if two_level else (),
             telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm),
         )
 
