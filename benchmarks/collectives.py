@@ -13,7 +13,9 @@ delay).
     sudo python benchmarks/collectives.py --procs 2 --rates 1gbit --log2-n 20
 
 Needs root, iproute2 (ip, tc) and the tbf qdisc; skips with a message where
-any is missing. Writes benchmarks/results/collectives.json and, for the full
+any is missing. Times the installed jaxcomp (`pip install .`), and refuses to
+run where its CPU kernels are not built, unless `--twins` asks for the
+pure-JAX twins. Writes benchmarks/results/collectives.json and, for the full
 sweep, the section between the markers in docs/benchmarks.md.
 """
 
@@ -180,6 +182,8 @@ def worker(args: argparse.Namespace) -> None:
 
     import jaxcomp as jc
 
+    if not args.twins and not jc.cpu_available():
+        raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
     n = 1 << args.log2_n
     mesh = jax.make_mesh((args.procs,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("data"))
@@ -253,7 +257,12 @@ def launch(
             "--out",
             str(tmp / f"{i}.json"),
         ]
-        env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+        if args.twins:
+            cmd.append("--twins")
+        # The installed jaxcomp, not the checkout: a source tree without an
+        # in-tree build has no kernels, and would silently time the twins.
+        env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+        env.pop("PYTHONPATH", None)
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -298,6 +307,11 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "collectives.json"))
+    ap.add_argument(
+        "--twins",
+        action="store_true",
+        help="time the pure-JAX twins (JAXCOMP_BACKEND=xla) instead of the kernels",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
@@ -308,13 +322,24 @@ def main() -> int:
         worker(args)
         return 0
 
+    if args.twins:
+        os.environ["JAXCOMP_BACKEND"] = "xla"  # inherited by the workers
+    import jax.numpy as jnp
+
+    import jaxcomp as jc
+
+    if not args.twins and not jc.cpu_available():
+        print(
+            "benchmarks/collectives.py: jaxcomp's CPU kernels are not built in the jaxcomp "
+            f"imported from {pathlib.Path(jc.__file__).parent}; install the package "
+            "(pip install .) or pass --twins to time the pure-JAX twins",
+            file=sys.stderr,
+        )
+        return 2
     why = probe()
     if why:
         print(f"skipped: the emulated-link test bed {why}")
         return 0
-    import jax.numpy as jnp
-
-    import jaxcomp as jc
 
     n = 1 << args.log2_n
     table, records = [], []
