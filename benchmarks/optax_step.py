@@ -29,6 +29,13 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--codecs", nargs="+", default=["qsgd:bits=4", "onebit", "int8", "bf16"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--algorithm", default="auto", help="compress_gradients' algorithm")
+    ap.add_argument(
+        "--server-error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="two-level error feedback (the default); --no-server-error-feedback: one-level",
+    )
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = (
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}"
@@ -89,7 +96,14 @@ def main() -> int:
     print("|---|---|---|")
     print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |")
     for spec in args.codecs:
-        tx = optax.chain(jc.optax.compress_gradients(jc.codecs.get(spec), axis), sgd)
+        codec = jc.codecs.get(spec)
+        ctx = jc.optax.compress_gradients(
+            codec,
+            axis,
+            algorithm=args.algorithm,
+            server_error_feedback=args.server_error_feedback,
+        )
+        tx = optax.chain(ctx, sgd)
         state = jc.optax.init(tx, params, mesh, axis)
         specs = jc.optax.state_specs(state, axis)
 
@@ -107,7 +121,14 @@ def main() -> int:
             )(p, s, g)
 
         t = timed(step, state)
-        print(f"| `{spec}` compress_gradients + sgd | {t * 1e3:.1f} | {t / base:.2f} |")
+        alg = args.algorithm
+        if alg == "auto":
+            alg = f"auto: {jc.collectives.choose_algorithm(codec, n, args.devices)}"
+        levels = "two-level" if args.server_error_feedback else "one-level"
+        print(
+            f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
+            f"| {t * 1e3:.1f} | {t / base:.2f} |"
+        )
     return 0
 
 
