@@ -4,6 +4,7 @@ then sgd), on N CPU devices of one process.
 
     python benchmarks/optax_step.py                 # 8 devices, ~4.2M parameters
     python benchmarks/optax_step.py --devices 4 --codecs qsgd:bits=4 onebit
+    python benchmarks/optax_step.py --devices 4 --matrices 4 --bare   # 4 x 2048x2048
 
 Each step takes per-device gradients and the optimizer state and returns the
 new parameters and state (jit + shard_map, state donated), so it times the
@@ -11,6 +12,11 @@ whole update: error feedback, fusion, encode, the collectives, decode and
 the sgd update. The devices share this machine's memory and cores, so no
 link is slow here: the figure is the step's compute and copy overhead over
 ``lax.pmean``, not the speedup over a slow network (benchmarks/collectives.py).
+
+``--bare`` adds, per codec, the bare all-reduce with the same codec and
+algorithm (``jc.pmean(grad).value`` of every leaf, then sgd: no error
+feedback, no fusion, no residual update), the figure the full update is
+compared with.
 """
 
 from __future__ import annotations
@@ -29,7 +35,20 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--codecs", nargs="+", default=["qsgd:bits=4", "onebit", "int8", "bf16"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--matrices",
+        type=int,
+        default=0,
+        help="K: a tree of K 2048x2048 float32 matrices instead of the MLP-like default",
+    )
+    ap.add_argument("--bare", action="store_true", help="also time the bare jc.pmean per codec")
     ap.add_argument("--algorithm", default="auto", help="compress_gradients' algorithm")
+    ap.add_argument(
+        "--error-feedback",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="compress_gradients' error_feedback (default on)",
+    )
     ap.add_argument(
         "--server-error-feedback",
         action=argparse.BooleanOptionalAction,
@@ -55,6 +74,8 @@ def main() -> int:
     # An MLP-like tree: two 1024x1024 and one 2048x1024 weight, biases.
     shapes = {"w1": (1024, 1024), "b1": (1024,), "w2": (1024, 2048), "b2": (2048,),
               "w3": (2048, 1024), "b3": (1024,)}  # fmt: skip
+    if args.matrices:
+        shapes = {f"m{i}": (2048, 2048) for i in range(args.matrices)}
     params = jax.device_put(
         {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}, NamedSharding(mesh, P())
     )
@@ -92,15 +113,21 @@ def main() -> int:
 
     base = timed(plain, sgd.init(params))
     print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
-    print("| step | ms | x plain pmean step |")
-    print("|---|---|---|")
-    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |")
+    if args.bare:
+        print("| step | ms | x plain pmean step | x bare jc.pmean |")
+        print("|---|---|---|---|")
+        print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 | |")
+    else:
+        print("| step | ms | x plain pmean step |")
+        print("|---|---|---|")
+        print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |")
     for spec in args.codecs:
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
             codec,
             axis,
             algorithm=args.algorithm,
+            error_feedback=args.error_feedback,
             server_error_feedback=args.server_error_feedback,
         )
         tx = optax.chain(ctx, sgd)
@@ -121,13 +148,43 @@ def main() -> int:
             )(p, s, g)
 
         t = timed(step, state)
+        if args.bare:
+
+            def bare(p, s, g, codec=codec):
+                def body(p, s, g):
+                    k = jax.random.key(0)
+                    mean = {
+                        name: jc.pmean(
+                            v[0],
+                            axis,
+                            codec,
+                            key=jax.random.fold_in(k, i),
+                            algorithm=args.algorithm,
+                        ).value
+                        for i, (name, v) in enumerate(sorted(g.items()))
+                    }
+                    u, s = sgd.update(mean, s, p)
+                    return optax.apply_updates(p, u), s
+
+                return jax.shard_map(
+                    body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P()),
+                    check_vma=False,
+                )(p, s, g)  # fmt: skip
+
+            tb = timed(bare, sgd.init(params))
+            print(
+                f"| `{spec}` bare jc.pmean (value only) + sgd | {tb * 1e3:.1f} | {tb / base:.2f} "
+                "| 1.00 |"
+            )
         alg = args.algorithm
         if alg == "auto":
             alg = f"auto: {jc.collectives.choose_algorithm(codec, n, args.devices)}"
         levels = "two-level" if args.server_error_feedback else "one-level"
+        if not args.error_feedback:
+            levels = "no"
         print(
             f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
-            f"| {t * 1e3:.1f} | {t / base:.2f} |"
+            f"| {t * 1e3:.1f} | {t / base:.2f} |" + (f" {t / tb:.2f} |" if args.bare else "")
         )
     return 0
 
