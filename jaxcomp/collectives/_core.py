@@ -537,8 +537,7 @@ def operand_nbytes(codec: Codec, shape, dtype, axis_size: int, algorithm: str) -
       "collective-permute" or "all-reduce" (empty for one device).
     """
     n = int(np.prod(shape, dtype=np.int64))
-    if algorithm == "auto":
-        algorithm = choose_algorithm(codec, n, axis_size)
+    algorithm = _resolve(codec, n, axis_size, algorithm)
     if axis_size == 1:
         return {}
     if algorithm == "hierarchical":

@@ -74,15 +74,6 @@ def _warn_unsafe(plan: Plan, algorithm: str) -> None:
             warnings.warn(f"{_WHO}: {why}", RuntimeWarning, stacklevel=4)
 
 
-def _axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:
-    """The sizes of the axes where they are bound (inside the mapped
-    function), else None."""
-    try:
-        return tuple(int(lax.axis_size(a)) for a in _axis_names(axis_name))
-    except NameError:
-        return None
-
-
 def _bound_axis_sizes(axis_name) -> tuple[int, ...]:
     sizes = []
     for a in _axis_names(axis_name):
@@ -213,6 +204,15 @@ def _write_residuals(plan: Plan, old: list, new: list, keep) -> Any:
         for o, n in zip(old, new, strict=True)
     ]
     return plan.treedef.unflatten(leaves)
+
+
+def _axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:
+    """The sizes of the axes where they are bound (inside the mapped
+    function), else None."""
+    try:
+        return _bound_axis_sizes(axis_name)
+    except ValueError:
+        return None
 
 
 # ---------------------------------------------------------------------------
