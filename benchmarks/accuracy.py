@@ -15,10 +15,6 @@ Run from the repository root. Writes benchmarks/results/accuracy.json, and
 for a full run (no --only) or --merge the tables between the markers in
 docs/accuracy.md and the plot docs/accuracy.png. Without --lm, the LM
 results of the previous JSON (if any) are carried over unchanged.
-
-Rows that need ``server_error_feedback`` (the two-phase all-reduce's
-one-level error feedback) are skipped, with a note, where
-``jc.optax.compress_gradients`` does not take that keyword.
 """
 
 from __future__ import annotations
@@ -30,7 +26,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import dataclasses
-import inspect
 import json
 import math
 import pathlib
@@ -122,18 +117,11 @@ LM_ROWS = [
 ]
 
 
-def takes_server_error_feedback() -> bool:
-    params = inspect.signature(jc.optax.compress_gradients).parameters
-    return "server_error_feedback" in params
-
-
 def unavailable(row: Row) -> str | None:
     """Why ``row`` cannot run with this jaxcomp, or None."""
     name = row.codec.partition(":")[0]
     if name != "float32" and name not in jc.codecs.names():
         return "codec not available in this build"
-    if not row.server_error_feedback and not takes_server_error_feedback():
-        return "jc.optax.compress_gradients has no server_error_feedback keyword in this version"
     return None
 
 
@@ -190,7 +178,7 @@ def run_rows(rows, make_config, train_fn, seeds, metric_keys, log, resolve=None)
             "resolved_algorithm": resolve(row, make_config(row, seeds[0])),
             "server_error_feedback": row.server_error_feedback,
             # whether a second compression's error had a residual of its own
-            "two_level": row.server_error_feedback and takes_server_error_feedback(),
+            "two_level": row.server_error_feedback,
             "seeds": list(seeds),
             **{k: [float(r[k]) for r in runs] for k in metric_keys},
             "bits_per_element": float(np.mean([r["bits_per_element"] for r in runs])),

@@ -141,6 +141,7 @@ def gradient_transformation(
     algorithm: str = "auto",
     min_compress_size: int = 1024,
     seed: int = 0,
+    server_error_feedback: bool = True,
 ):
     """The all-reduce stage of the optimizer chain for ``spec``: the float32
     baseline, or ``jc.optax.compress_gradients`` (docs/training.md)."""
@@ -152,6 +153,7 @@ def gradient_transformation(
         spec.build(),
         axis_name=AXIS,
         error_feedback=error_feedback,
+        server_error_feedback=server_error_feedback,
         algorithm=algorithm,
         min_compress_size=min_compress_size,
         seed=seed,
@@ -236,6 +238,34 @@ def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params
         return f(params, opt_state, data_key, start)
 
     return run
+
+
+def check_config(config, *, min_steps: int = 1) -> None:
+    """The checks every example's config passes before a run."""
+    if config.steps < min_steps or config.log_every < 1:
+        raise ValueError(f"steps must be >= {min_steps} and log_every >= 1")
+    if config.global_batch_size % config.num_devices:
+        raise ValueError(
+            f"global_batch_size ({config.global_batch_size}) must be a multiple of "
+            f"num_devices ({config.num_devices})"
+        )
+
+
+def start(trainer, config, workdir, *, verbose: bool) -> dict:
+    """One run of ``config`` with a trainer compiled for it (any seed):
+    the parameters and data key from ``config.seed``, the optimizer state
+    laid out on the trainer's mesh (the codec's PRNG key seeded per run),
+    then :func:`fit`."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    init_key, data_key = jax.random.split(jax.random.key(config.seed))
+    params = jax.device_put(trainer.init_params(init_key), NamedSharding(trainer.mesh, P()))
+    opt_state = jc.optax.init(trainer.make_tx(config.seed), params, trainer.mesh, AXIS)
+    return fit(trainer, params, opt_state, data_key, config, workdir, verbose=verbose)
 
 
 def fit(trainer, params, opt_state, data_key, config, workdir, *, verbose: bool) -> dict:

@@ -5,7 +5,9 @@ import dataclasses
 import math
 import pathlib
 import sys
+import types
 
+import optax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -75,7 +77,7 @@ def test_seeds_pair_and_differ():
     assert _finite(c)
 
 
-def test_server_error_feedback_is_forwarded_only_when_off(monkeypatch):
+def test_server_error_feedback_reaches_compress_gradients(monkeypatch):
     import jaxcomp as jc
     from examples.teacher import train
 
@@ -83,18 +85,19 @@ def test_server_error_feedback_is_forwarded_only_when_off(monkeypatch):
 
     def fake(codec, axis_name, **kwargs):
         calls.append(kwargs)
-        return "tx"
+        return optax.identity()
 
     monkeypatch.setattr(jc.optax, "compress_gradients", fake)
-    spec = common.parse_codec("onebit")
+
+    def make_tx(config, seed):  # Trainer.make_tx reads only config and spec
+        trainer = types.SimpleNamespace(config=config, spec=common.parse_codec(config.codec))
+        return train.Trainer.make_tx(trainer, seed)
+
     config = train.Config(codec="onebit", algorithm="two_phase")
-    assert train.all_reduce_stage(spec, config, 3) == "tx"
-    assert "server_error_feedback" not in calls[-1]
-    assert calls[-1]["algorithm"] == "two_phase" and calls[-1]["seed"] == 3
-    off = dataclasses.replace(config, server_error_feedback=False)
-    train.all_reduce_stage(spec, off, 3)
-    assert calls[-1]["server_error_feedback"] is False
+    for flag in (True, False):
+        make_tx(dataclasses.replace(config, server_error_feedback=flag), 3)
+        assert calls[-1]["server_error_feedback"] is flag
+        assert calls[-1]["algorithm"] == "two_phase" and calls[-1]["seed"] == 3
     # float32 is a plain pmean whatever the flag
-    f32 = dataclasses.replace(off, codec="float32")
-    train.all_reduce_stage(common.parse_codec("float32"), f32, 0)
+    make_tx(dataclasses.replace(config, codec="float32", server_error_feedback=False), 0)
     assert len(calls) == 2

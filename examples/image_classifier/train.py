@@ -24,9 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
-import jaxcomp as jc
 from examples import common
 
 TEST_SIZE = 360
@@ -178,16 +176,8 @@ def train_and_evaluate(
       ``wire_bytes`` (means over the steps; bytes sent per device per step),
       ``train_seconds`` and ``history`` (one row per logging interval).
     """
-    if config.steps < 1 or config.log_every < 1:
-        raise ValueError("steps and log_every must be >= 1")
-    if config.global_batch_size % config.num_devices:
-        raise ValueError(
-            f"global_batch_size ({config.global_batch_size}) must be a multiple of "
-            f"num_devices ({config.num_devices})"
-        )
-    t = _trainer(dataclasses.replace(config, seed=0))
-    init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    params = jax.device_put(t.init_params(init_key), jax.sharding.NamedSharding(t.mesh, P()))
-    # The codec's PRNG key lives in the optimizer state: seed it per run.
-    opt_state = jc.optax.init(t.make_tx(config.seed), params, t.mesh, common.AXIS)
-    return common.fit(t, params, opt_state, data_key, config, workdir, verbose=verbose)
+    common.check_config(config)
+    # One compiled trainer serves every seed (the seed enters through start).
+    return common.start(
+        _trainer(dataclasses.replace(config, seed=0)), config, workdir, verbose=verbose
+    )

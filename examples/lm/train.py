@@ -22,9 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
-import jaxcomp as jc
 from examples import common
 
 HELD_OUT = 0.1
@@ -179,17 +177,8 @@ def train_and_evaluate(
       (means over the steps; bytes sent per device per step),
       ``train_seconds`` and ``history``.
     """
-    if config.steps < 2 or config.log_every < 1:
-        raise ValueError("steps must be >= 2 and log_every >= 1")
-    if config.global_batch_size % config.num_devices:
-        raise ValueError(
-            f"global_batch_size ({config.global_batch_size}) must be a multiple of "
-            f"num_devices ({config.num_devices})"
-        )
+    common.check_config(config, min_steps=2)
     t = _trainer(dataclasses.replace(config, seed=0))
-    init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    params = jax.device_put(t.init_params(init_key), jax.sharding.NamedSharding(t.mesh, P()))
-    opt_state = jc.optax.init(t.make_tx(config.seed), params, t.mesh, common.AXIS)
-    result = common.fit(t, params, opt_state, data_key, config, workdir, verbose=verbose)
+    result = common.start(t, config, workdir, verbose=verbose)
     result["test_perplexity"] = common.perplexity(result["test_loss"])
     return result

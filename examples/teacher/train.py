@@ -30,9 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
-import jaxcomp as jc
 from examples import common
 
 
@@ -43,9 +41,9 @@ class Config:
     codec: str = "float32"  # a common.parse_codec spec
     error_feedback: bool = True  # only for compressed codecs
     algorithm: str = "auto"  # jc.pmean's algorithm
-    # False selects the two-phase all-reduce's one-level error feedback (the
-    # second compression's error charged to the chunk's owner); the keyword
-    # is passed to compress_gradients only then.
+    # False selects the one-level error feedback of the algorithms that
+    # compress twice (the second compression's error charged to the chunk's
+    # owner, at the scale of the sum).
     server_error_feedback: bool = True
     min_compress_size: int = 1024  # the library's default: the biases go in float32
     steps: int = 2000
@@ -114,21 +112,6 @@ def _loss_and_accuracy(logits: jax.Array, labels: jax.Array) -> tuple[jax.Array,
     return loss, (jnp.argmax(logits, -1) == labels).mean()
 
 
-def all_reduce_stage(spec: common.CodecSpec, config: Config, seed: int):
-    """The gradient all-reduce: common.gradient_transformation, or, with
-    ``server_error_feedback=False``, compress_gradients given that keyword."""
-    kwargs = dict(
-        error_feedback=config.error_feedback,
-        algorithm=config.algorithm,
-        min_compress_size=config.min_compress_size,
-        seed=seed,
-    )
-    if spec.uncompressed or config.server_error_feedback:
-        return common.gradient_transformation(spec, **kwargs)
-    kwargs["server_error_feedback"] = False
-    return jc.optax.compress_gradients(spec.build(), axis_name=common.AXIS, **kwargs)
-
-
 class Trainer:
     """The compiled pieces of a configuration, reusable across seeds (the
     seed only enters through the initial parameters, the data key and the
@@ -163,7 +146,14 @@ class Trainer:
     def make_tx(self, seed: int) -> optax.GradientTransformation:
         c = self.config
         return optax.chain(
-            all_reduce_stage(self.spec, c, seed),
+            common.gradient_transformation(
+                self.spec,
+                error_feedback=c.error_feedback,
+                server_error_feedback=c.server_error_feedback,
+                algorithm=c.algorithm,
+                min_compress_size=c.min_compress_size,
+                seed=seed,
+            ),
             optax.sgd(optax.cosine_decay_schedule(c.learning_rate, c.steps), momentum=c.momentum),
         )
 
@@ -192,16 +182,8 @@ def train_and_evaluate(
       the steps; bytes sent per device per step), ``train_seconds`` and
       ``history`` (one row per logging interval).
     """
-    if config.steps < 1 or config.log_every < 1:
-        raise ValueError("steps and log_every must be >= 1")
-    if config.global_batch_size % config.num_devices:
-        raise ValueError(
-            f"global_batch_size ({config.global_batch_size}) must be a multiple of "
-            f"num_devices ({config.num_devices})"
-        )
-    t = _trainer(dataclasses.replace(config, seed=0))
-    init_key, data_key = jax.random.split(jax.random.key(config.seed))
-    params = jax.device_put(t.init_params(init_key), jax.sharding.NamedSharding(t.mesh, P()))
-    # The codec's PRNG key lives in the optimizer state: seed it per run.
-    opt_state = jc.optax.init(t.make_tx(config.seed), params, t.mesh, common.AXIS)
-    return common.fit(t, params, opt_state, data_key, config, workdir, verbose=verbose)
+    common.check_config(config)
+    # One compiled trainer serves every seed (the seed enters through start).
+    return common.start(
+        _trainer(dataclasses.replace(config, seed=0)), config, workdir, verbose=verbose
+    )
