@@ -101,26 +101,46 @@ def main() -> int:
 
     sgd = optax.sgd(1e-3)
 
-    def plain(p, s, g):
+    def make_step(update, state_specs=None):
+        """The step (jitted by ``timed``) of a per-device ``update(p, s,
+        local_grads) -> (updates, s)``: shard_map over the devices, the
+        updates applied; the state replicated unless ``state_specs``."""
+        state_specs = P() if state_specs is None else state_specs
+
         def body(p, s, g):
-            g = lax.pmean(jax.tree.map(lambda a: a[0], g), axis)
-            u, s = sgd.update(g, s, p)
+            u, s = update(p, s, jax.tree.map(lambda a: a[0], g))
             return optax.apply_updates(p, u), s
 
         return jax.shard_map(
-            body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P()), check_vma=False
-        )(p, s, g)
+            body,
+            mesh=mesh,
+            in_specs=(P(), state_specs, P(axis)),
+            out_specs=(P(), state_specs),
+            check_vma=False,
+        )
 
-    base = timed(plain, sgd.init(params))
+    def plain(p, s, g):
+        return sgd.update(lax.pmean(g, axis), s, p)
+
+    def bare_pmean(codec):
+        def update(p, s, g):
+            k = jax.random.key(0)
+            mean = {
+                name: jc.pmean(
+                    v, axis, codec, key=jax.random.fold_in(k, i), algorithm=args.algorithm
+                ).value
+                for i, (name, v) in enumerate(sorted(g.items()))
+            }
+            return sgd.update(mean, s, p)
+
+        return update
+
+    base = timed(make_step(plain), sgd.init(params))
     print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
-    if args.bare:
-        print("| step | ms | x plain pmean step | x bare jc.pmean |")
-        print("|---|---|---|---|")
-        print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 | |")
-    else:
-        print("| step | ms | x plain pmean step |")
-        print("|---|---|---|")
-        print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |")
+    bare_col = " x bare jc.pmean |" if args.bare else ""
+    print(f"| step | ms | x plain pmean step |{bare_col}")
+    print("|---|---|---|" + ("---|" if args.bare else ""))
+    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + (" |" if args.bare else ""))
     for spec in args.codecs:
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
@@ -132,46 +152,12 @@ def main() -> int:
         )
         tx = optax.chain(ctx, sgd)
         state = jc.optax.init(tx, params, mesh, axis)
-        specs = jc.optax.state_specs(state, axis)
-
-        def step(p, s, g, tx=tx, specs=specs):
-            def body(p, s, g):
-                u, s = tx.update(jax.tree.map(lambda a: a[0], g), s, p)
-                return optax.apply_updates(p, u), s
-
-            return jax.shard_map(
-                body,
-                mesh=mesh,
-                in_specs=(P(), specs, P(axis)),
-                out_specs=(P(), specs),
-                check_vma=False,
-            )(p, s, g)
-
-        t = timed(step, state)
+        t = timed(
+            make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)),
+            state,
+        )
         if args.bare:
-
-            def bare(p, s, g, codec=codec):
-                def body(p, s, g):
-                    k = jax.random.key(0)
-                    mean = {
-                        name: jc.pmean(
-                            v[0],
-                            axis,
-                            codec,
-                            key=jax.random.fold_in(k, i),
-                            algorithm=args.algorithm,
-                        ).value
-                        for i, (name, v) in enumerate(sorted(g.items()))
-                    }
-                    u, s = sgd.update(mean, s, p)
-                    return optax.apply_updates(p, u), s
-
-                return jax.shard_map(
-                    body, mesh=mesh, in_specs=(P(), P(), P(axis)), out_specs=(P(), P()),
-                    check_vma=False,
-                )(p, s, g)  # fmt: skip
-
-            tb = timed(bare, sgd.init(params))
+            tb = timed(make_step(bare_pmean(codec)), sgd.init(params))
             print(
                 f"| `{spec}` bare jc.pmean (value only) + sgd | {tb * 1e3:.1f} | {tb / base:.2f} "
                 "| 1.00 |"
