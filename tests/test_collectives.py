@@ -79,6 +79,58 @@ def test_psum_identical_conserving_and_close(mesh, codec, alg, n):
     assert np.linalg.norm(v[0] - exact) <= REL_ERR[codec.name] * np.linalg.norm(exact)
 
 
+@pytest.mark.parametrize("alg", [*ALGS, "sparse"])
+def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
+    """The collectives decode element-wise codecs through their twins, which
+    XLA fuses into the sum or the residual (``fused_backend``); forcing the
+    kernels everywhere gives the same results up to float32 rounding (XLA
+    may contract a decoded product and the add it feeds into one FMA)."""
+    codecs = [c for c in CODECS if c.elementwise_decode] if alg != "sparse" else []
+    if alg == "sparse":
+        codecs = [jc.codecs.TopK(fraction=0.05, value_codec=jc.codecs.Int8(bucket_size=64))]
+    x = jax.random.normal(jax.random.key(3), (N_DEV, 1000))
+
+    def run(c):
+        m = jcc.state_size(c, 1000, jnp.float32, N_DEV, alg)
+
+        def f(x, k):
+            r = jcc.pmean(x[0], "data", c, key=k, algorithm=alg, state=jnp.full((m,), 0.25))
+            return r.value[None], r.sent[None], r.state[None]
+
+        spec = P("data")
+        g = jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec, spec))
+        return [np.asarray(a) for a in jax.jit(g)(x, KEY)]
+
+    from jaxcomp.collectives import _util
+
+    for c in codecs:
+        fused = run(c)
+        monkeypatch.setattr(_util, "fused_backend", lambda codec: "auto")
+        kernels = run(c)
+        monkeypatch.undo()
+        for a, b in zip(fused, kernels, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(initial=1.0))
+
+
+def test_elementwise_decodes_have_no_loops_or_scatters():
+    """``Codec.elementwise_decode`` is a promise XLA's fusion relies on: the
+    twin decode of every codec that makes it is free of loops, scans,
+    scatters and sorts."""
+    for cls in jc.codecs.registered():
+        for codec in cls.examples(coverage=True):
+            if not codec.elementwise_decode:
+                continue
+            layout = codec.layout((999,), jnp.float32)
+            arrays = [jnp.zeros(a.shape, a.dtype) for a in layout.values()]
+
+            def decode(*a, c=codec):
+                return c.decode(c.payload(a, (999,), jnp.float32), backend="xla")
+
+            jaxpr = str(jax.make_jaxpr(decode)(*arrays))
+            for bad in ("while", "scan", "scatter", "sort", "cumsum"):
+                assert bad not in jaxpr, (codec, bad)
+
+
 def test_identity_equals_lax_psum(mesh):
     x = jax.random.normal(jax.random.key(0), (N_DEV, 777))
     ref = jax.jit(

@@ -230,6 +230,15 @@ class Codec:
     #: is not a contraction). Measured in docs/accuracy.md; it decides
     #: ``algorithm="auto"`` (``jc.collectives.choose_algorithm``).
     recompression: ClassVar[str] = "fine"
+    #: Whether :meth:`twin_decode` is element-wise (each value from its own
+    #: bucket's codes and statistics: no scan, no scatter). Then XLA fuses
+    #: the twin into whatever consumes the decoded tensor, and the
+    #: collectives decode a device's own payload through it for what the
+    #: device keeps (its error-feedback residual, a server residual): one
+    #: pass instead of a full-size tensor written by the kernel and read
+    #: again. False for codecs whose decode is a scan or a scatter (3LC's
+    #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
+    elementwise_decode: ClassVar[bool] = True
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -673,6 +682,7 @@ class SparseCodec(Codec):
     stage)."""
 
     rate: ClassVar[Rate] = Rate.SPARSE
+    elementwise_decode: ClassVar[bool] = False  # a scatter of the pairs
     value_codec: Codec | None
 
     def entries(self, n: int) -> int:

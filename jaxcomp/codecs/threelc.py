@@ -104,6 +104,7 @@ class ThreeLC(VariableRateCodec):
 
     name: ClassVar[str] = "threelc"
     codec_id: ClassVar[int] = 7
+    elementwise_decode: ClassVar[bool] = False  # zero-run decoding is a scan
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

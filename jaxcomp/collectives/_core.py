@@ -16,10 +16,12 @@ from jaxcomp.collectives._util import (
     chunk_len,
     chunked,
     decode_f32,
+    decode_own,
     decode_rows,
+    decode_sum,
     device_key,
     fold,
-    ordered_sum,
+    fused_backend,
     own_capacity,
     owner_stage,
     padded,
@@ -61,8 +63,8 @@ class Reduced(NamedTuple):
 def _allgather(codec, flat, axis_name, size, key, div, state):
     p = codec.encode(flat, key)
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    total = transfer(p, axis_name, "all-gather", gather, lambda q: ordered_sum(decode_rows(q)))
-    return (total if div == 1 else total / div), decode_f32(p), state
+    total = transfer(p, axis_name, "all-gather", gather, decode_sum)
+    return (total if div == 1 else total / div), decode_own(p), state
 
 
 def _allreduce(codec, flat, axis_name, size, key, div, state):
@@ -78,7 +80,7 @@ def _allreduce(codec, flat, axis_name, size, key, div, state):
     _util.record("all-reduce", arrays.values())
     summed = p.map(lambda a: lax.psum(a, axis_name))
     total = decode_f32(summed)
-    return (total if div == 1 else total / div), decode_f32(p), state
+    return (total if div == 1 else total / div), decode_own(p), state
 
 
 def _two_phase(codec, flat, axis_name, size, key, div, state):
@@ -93,7 +95,7 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
         c = chunk_len(codec, n, size)
         p = codec.encode(padded(flat, size * c), key)
         payloads = split(p, size)
-        stage1 = decode_f32(p)  # my chunks as their owners see them
+        stage1 = decode_own(p)  # my chunks as their owners see them
     else:
         chunks, c = chunked(flat, size)
         keys = (
@@ -102,15 +104,16 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
             else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
         )
         payloads = jax.vmap(codec.encode)(chunks, keys)
-        stage1 = decode_rows(payloads).reshape(-1)
+        stage1 = decode_rows(payloads, fused_backend(codec)).reshape(-1)
     to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
     # My chunk, summed over the devices.
-    mine = transfer(
-        payloads, axis_name, "all-to-all", to_owner, lambda q: ordered_sum(decode_rows(q))
-    )
+    mine = transfer(payloads, axis_name, "all-to-all", to_owner, decode_sum)
     p2, _, new_state, error = owner_stage(codec, mine, div, state, fold(key, size), dtype)
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    total = transfer(p2, axis_name, "all-gather", gather, lambda q: decode_rows(q).reshape(-1)[:n])
+    backend = fused_backend(codec)
+    total = transfer(
+        p2, axis_name, "all-gather", gather, lambda q: decode_rows(q, backend).reshape(-1)[:n]
+    )
     if error is None:
         return total, stage1[:n], new_state
     # One-level error feedback: the second stage's error on my chunk (in
@@ -159,7 +162,7 @@ def _ring(codec, flat, axis_name, size, key, div, state):
             axis_name,
             "collective-permute",
             to_next,
-            lambda q: (decode_f32(q), own_capacity(codec, q)),
+            lambda q: (decode_f32(q, fused_backend(codec)), own_capacity(codec, q)),
         )
 
     for s in range(size - 1):
@@ -168,7 +171,7 @@ def _ring(codec, flat, axis_name, size, key, div, state):
         if state is not None:
             partial = partial + rows[s]
         p = codec.encode(partial.astype(dtype), fold(key, s))
-        hat = decode_f32(p)
+        hat = decode_own(p)
         if state is not None:
             new_rows.append(partial - hat)
         else:

@@ -24,7 +24,7 @@ from jaxcomp.codecs.base import Codec, Rate, index_dtype
 from jaxcomp.codecs.identity import Identity
 from jaxcomp.collectives._util import (
     as_bits,
-    decode_f32,
+    decode_own,
     decode_rows,
     exchange,
     fold,
@@ -110,7 +110,7 @@ def static_allreduce(codec, flat, axis_name, size, key, div, state=None):
 
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
     total = transfer(p, axis_name, "all-gather", gather, consume)
-    return (total if div == 1 else total / div), decode_f32(p), state
+    return (total if div == 1 else total / div), decode_own(p), state
 
 
 def _route(idx, vals, start, end, c, size, cap, dtype):
@@ -138,7 +138,7 @@ def split_allgather(codec, flat, axis_name, size, key, div, state=None):
     me = lax.axis_index(axis_name)
     c = _owned_len(n, size)
     p = codec.encode(flat, key)
-    sent = decode_f32(p)
+    sent = decode_own(p)
     idx, vals = codec.pairs(p)  # ascending; padding reads n
     m = idx.shape[0]
     bounds = jnp.arange(size + 1, dtype=jnp.int32) * c

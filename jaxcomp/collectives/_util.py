@@ -48,12 +48,43 @@ def fold(key, i: int | jax.Array):
     return None if key is None else jax.random.fold_in(key, i)
 
 
-def decode_f32(payload: Payload) -> jax.Array:
+def decode_f32(payload: Payload, backend: str = "auto") -> jax.Array:
     """One tensor's payload decoded, flat, in float32."""
-    return payload.codec.decode(payload).reshape(-1).astype(jnp.float32)
+    return payload.codec.decode(payload, backend=backend).reshape(-1).astype(jnp.float32)
 
 
-def decode_rows(payload: Payload) -> jax.Array:
+def fused_backend(codec: Codec) -> str:
+    """The backend the collectives decode with: the twin ("xla") where it is
+    element-wise (``Codec.elementwise_decode``), so that XLA fuses the
+    decode into what consumes it (a sum over the received payloads, the
+    residual update, the split into leaves) instead of the kernel writing a
+    full-size float32 tensor that is read again; the kernel ("auto")
+    otherwise. The twin gives the kernel's bits (the contract suite checks
+    it); fused, XLA may contract a decoded product and the add it feeds into
+    one FMA, so sums and residuals can differ from the kernel path's in the
+    last bit, never more (every device runs the same program, so the result
+    is still identical on every device)."""
+    return "xla" if codec.elementwise_decode else "auto"
+
+
+def decode_sum(payload: Payload) -> jax.Array:
+    """Stacked payloads (one leading axis) decoded and summed in row order
+    (float32): with an element-wise decode, one fused pass that writes only
+    the sum, not a float32 row per device."""
+    return ordered_sum(decode_rows(payload, fused_backend(payload.codec)))
+
+
+def decode_own(payload: Payload) -> jax.Array:
+    """A payload this device made, decoded (flat, float32) for what it
+    keeps: ``sent``, or a server residual ``target - decoded``.
+
+    With :func:`fused_backend`: XLA fuses the decode into the residual
+    update, so error feedback costs one pass over the gradient instead of
+    a full-size decoded tensor written and read again."""
+    return decode_f32(payload, fused_backend(payload.codec))
+
+
+def decode_rows(payload: Payload, backend: str = "auto") -> jax.Array:
     """Stacked payloads (one leading axis) of ``n`` values each -> float32
     ``[rows, n]``: one decode of the joined payload where the codec splits
     at ``n``, else one batched decode."""
@@ -63,8 +94,8 @@ def decode_rows(payload: Payload) -> jax.Array:
     if g and n % g == 0:
         joined = payload.map(lambda a: a.reshape(rows * a.shape[1], *a.shape[2:]))
         joined = Payload(codec, (rows * n,), payload.dtype, joined.arrays)
-        return decode_f32(joined).reshape(rows, n)
-    return jax.vmap(decode_f32)(payload)
+        return decode_f32(joined, backend).reshape(rows, n)
+    return jax.vmap(lambda p: decode_f32(p, backend))(payload)
 
 
 def split(payload: Payload, parts: int) -> Payload:
@@ -118,7 +149,7 @@ def owner_stage(codec: Codec, reduced: jax.Array, div: int, state, key, dtype):
     if state is not None:
         target = target + state
     payload = codec.encode(target.astype(dtype), key)
-    hat = decode_f32(payload)
+    hat = decode_own(payload)
     if state is not None:
         return payload, hat, target - hat, None
     error = hat - reduced if div == 1 else hat * div - reduced

@@ -120,9 +120,21 @@ def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None)
     return means + exact_means, sent + exact_sent, servers
 
 
+def _finite(a: jax.Array) -> jax.Array:
+    """bool[]: whether every element of ``a`` is finite.
+
+    For real floats as ``max|a|`` being finite (XLA's max propagates NaN):
+    a reduction XLA fuses with whatever computes ``a``, reading it once and
+    writing nothing, where ``all(isfinite(a))`` first materializes a mask of
+    ``a``'s size."""
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.all(jnp.isfinite(a))
+    return jnp.isfinite(jnp.max(jnp.abs(a), initial=0))
+
+
 def all_finite(arrays) -> jax.Array:
     """bool[]: whether every element of every array is finite."""
-    flags = [jnp.all(jnp.isfinite(a)) for a in arrays if a is not None]
+    flags = [_finite(a) for a in arrays if a is not None]
     return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
 
 
@@ -134,7 +146,8 @@ class Unpacked(NamedTuple):
         they came).
       residuals: this device's new residual of every leaf, shaped like it,
         in ``residual_dtype`` (None where a leaf has none).
-      residuals_finite: bool[], whether every new residual is finite.
+      residuals_finite: bool[], whether every new residual is finite,
+        provided the means are (see :func:`unpack`).
     """
 
     updates: list
@@ -160,7 +173,10 @@ def unpack(plan: Plan, leaves: list, accs, means, sent, residual_dtype) -> Unpac
       accs, means, sent: the buffers of :func:`pack` and :func:`reduce`.
       residual_dtype: the residuals' dtype; None without error feedback.
     Returns:
-      The :class:`Unpacked` leaves.
+      The :class:`Unpacked` leaves. ``residuals_finite`` checks ``acc``
+      (and the residuals themselves only in a narrower ``residual_dtype``):
+      with finite means, that is every residual being finite, since a
+      non-finite value in what this device sent reaches the sum.
     """
     updates, residuals = list(leaves), [None] * len(leaves)
     finite = []
@@ -170,7 +186,13 @@ def unpack(plan: Plan, leaves: list, accs, means, sent, residual_dtype) -> Unpac
         if residual_dtype is None or not group.carries_residual:
             continue
         error = (acc - s).astype(residual_dtype)
-        finite.append(error)
+        # A residual is finite where acc is and the mean is (a non-finite
+        # decoded value of this device's payload reaches the sum, and so the
+        # mean, which the caller checks): checking acc, already in memory,
+        # lets XLA fuse the residual into the leaves it is written to. A
+        # narrower residual dtype can overflow on its own: check it then.
+        narrower = jnp.dtype(residual_dtype).itemsize < jnp.dtype(acc.dtype).itemsize
+        finite.append(error if narrower else acc)
         for i, leaf in _split(error, group, plan):
             residuals[i] = leaf
     return Unpacked(updates, residuals, all_finite(finite))

@@ -20,7 +20,12 @@ from jaxcomp.optax._step import all_finite, pack, reduce, unpack
 from jaxcomp.optax._telemetry import Telemetry, global_norm, step_telemetry
 
 _WHO = "jc.optax.compress_gradients"
-DEFAULT_FUSION_BYTES = 64 << 20
+# Fusion saves collectives (their latency) at the cost of copying every fused
+# leaf into one buffer. Past a few MiB a leaf's transfer dwarfs a
+# collective's latency, and the copy (a pass writing the leaf's bytes) is
+# what costs: on the CPU benchmark of docs/benchmarks.md fusing four
+# 2048 x 2048 leaves into one 64 MiB buffer made the step ~15% slower.
+DEFAULT_FUSION_BYTES = 4 << 20
 DEFAULT_MIN_COMPRESS_SIZE = 1024
 
 
@@ -196,12 +201,14 @@ def _read_residual(plan: Plan, i: int, r, dtype):
     return r[0]
 
 
-def _write_residuals(plan: Plan, old: list, new: list, keep) -> Any:
+def _write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
     """The state's residuals after a step: the new ones where ``keep``,
-    else the old ones (a step that made one non-finite changes nothing)."""
+    else the old ones (a step that made one non-finite changes nothing),
+    selected on the state's own ``(1, *shape)`` arrays."""
+    raw = plan.treedef.flatten_up_to(state_residuals)
     leaves = [
-        optax.MaskedNode() if n is None else jnp.where(keep, n, o)[None]
-        for o, n in zip(old, new, strict=True)
+        optax.MaskedNode() if n is None else jnp.where(keep, n[None], o)
+        for o, n in zip(raw, new, strict=True)
     ]
     return plan.treedef.unflatten(leaves)
 
@@ -330,7 +337,8 @@ def compress_gradients(
         makes some codecs train worse or diverge (docs/collectives.md).
       algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
       fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
-        larger than this is a bucket of its own); None: 64 MiB.
+        larger than this is a bucket of its own, and costs no copy); None:
+        4 MiB.
       min_compress_size: leaves with fewer elements are averaged
         uncompressed, all in one fused ``lax.pmean``; None: 1024.
       warmup_steps: the first steps use the exact (uncompressed) mean, as in
@@ -401,14 +409,17 @@ def compress_gradients(
         if two_level:
             keep = keep & all_finite(new_servers)
             server_residuals = tuple(
-                jnp.where(keep, n, o)[None] for o, n in zip(servers, new_servers, strict=True)
+                jnp.where(keep, n[None], o)
+                for o, n in zip(state.server_residuals, new_servers, strict=True)
             )
-        residuals = _write_residuals(plan, old, out.residuals, keep)
+        residuals = ()
+        if error_feedback:
+            residuals = _write_residuals(plan, state.residuals, out.residuals, keep)
         norm = global_norm(residuals, axes) if residual_norm else jnp.zeros((), jnp.float32)
         return plan.treedef.unflatten(out.updates), CompressState(
             step=jnp.where(ok, state.step + 1, state.step),
             key=jnp.where(ok, jax.random.key_data(next_key), state.key),
-            residuals=residuals if error_feedback else (),
+            residuals=residuals,
             server_residuals=server_residuals if two_level else (),
             telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm),
         )
