@@ -11,6 +11,14 @@ delay).
 
     sudo python benchmarks/collectives.py                     # the full sweep
     sudo python benchmarks/collectives.py --procs 2 --rates 1gbit --log2-n 20
+    sudo python benchmarks/collectives.py --steps --procs 4   # the optimizer step
+
+`--steps` times what training runs instead: the whole data-parallel step
+(gradients in, new parameters and optimizer state out) over four matrices of
+N/4 values (2048 x 2048 at the default N): `lax.pmean` + sgd, and per codec
+the bare `jc.pmean(grad).value` of every leaf + sgd beside the full
+`optax.chain(jc.optax.compress_gradients(codec), optax.sgd)` update with its
+error feedback, the state carried from step to step.
 
 Needs root, iproute2 (ip, tc) and the tbf qdisc; skips with a message where
 any is missing. Times the installed jaxcomp (`pip install .`), and refuses to
@@ -51,6 +59,10 @@ CASES = [
     ("onebit", {"bucket_size": 64}, "two_phase"),
     ("cast", {"dtype": "bfloat16"}, "two_phase"),
 ]
+# The codecs of the optimizer-step rows (--steps), each with the defaults and
+# the algorithm `auto` picks, as users run them.
+STEP_CODECS = ["qsgd:bits=4", "onebit", "topk:fraction=0.01", "bf16"]
+STEP_BEGIN, STEP_END = "<!-- optax-step-links:begin -->", "<!-- optax-step-links:end -->"
 RATES = {"1gbit": ("256kb", "5ms", 1e9), "100mbit": ("32kb", "20ms", 1e8)}
 
 
@@ -202,9 +214,26 @@ def worker(args: argparse.Namespace) -> None:
             times.append(time.perf_counter() - t0)
         return times
 
+    def timed_steps(f, params, state, grads) -> list[float]:
+        params, state = f(params, state, grads)  # compile, warm up
+        jax.block_until_ready(params)
+        times = []
+        for _ in range(args.iters):
+            multihost_utils.sync_global_devices("iter")
+            t0 = time.perf_counter()
+            params, state = f(params, state, grads)
+            jax.block_until_ready(params)
+            times.append(time.perf_counter() - t0)
+        return times
+
     def shard(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
 
+    if args.steps:
+        rows = step_rows(args, mesh, local, timed_steps)
+        pathlib.Path(args.out).write_text(json.dumps({"times": rows, "wire": {}}))
+        jax.distributed.shutdown()
+        return
     rows = {"psum": timed(shard(lambda x, k: jax.lax.psum(x, "data")))}
     wire = {}
     for name, params, alg in CASES:
@@ -226,6 +255,71 @@ def worker(args: argparse.Namespace) -> None:
     pathlib.Path(args.out).write_text(json.dumps({"times": rows, "wire": wire}))
     jax.distributed.shutdown()
     del jnp
+
+
+def step_rows(args, mesh, local, timed_steps) -> dict[str, list[float]]:
+    """The optimizer-step rows (``--steps``): this process's times of the
+    plain step and, per codec of STEP_CODECS, the bare and the full update."""
+    import jax
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxcomp as jc
+
+    n = local.shape[1]
+    shape = (2048, 2048) if n == 1 << 24 else (n // 4,)
+    names = [f"m{i}" for i in range(4)]
+    replicated = NamedSharding(mesh, P())
+    params = {k: jax.device_put(np.zeros(shape, np.float32), replicated) for k in names}
+    grads = {
+        k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, P("data")),
+            local[:, i * (n // 4) : (i + 1) * (n // 4)].reshape(1, *shape),
+            (args.procs, *shape),
+        )
+        for i, k in enumerate(names)
+    }
+    sgd = optax.sgd(1e-3)
+
+    def step(update, specs):
+        def body(p, s, g):
+            u, s = update(p, s, jax.tree.map(lambda a: a[0], g))
+            return optax.apply_updates(p, u), s
+
+        mapped = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), specs, P("data")),
+            out_specs=(P(), specs),
+            check_vma=False,
+        )
+        return jax.jit(mapped, donate_argnums=(1,))
+
+    def plain(p, s, g):
+        return sgd.update(jax.lax.pmean(g, "data"), s, p)
+
+    rows = {"step|pmean": timed_steps(step(plain, P()), params, sgd.init(params), grads)}
+    for spec in STEP_CODECS:
+        codec = jc.codecs.get(spec)
+
+        def bare(p, s, g, c=codec):
+            key = jax.random.key(0)
+            mean = {
+                k: jc.pmean(g[k], "data", c, key=jax.random.fold_in(key, i)).value
+                for i, k in enumerate(names)
+            }
+            return sgd.update(mean, s, p)
+
+        rows[f"step|{spec}|bare"] = timed_steps(step(bare, P()), params, sgd.init(params), grads)
+        tx = optax.chain(jc.optax.compress_gradients(codec, "data"), sgd)
+        state = jc.optax.init(tx, params, mesh, "data")
+        specs = jc.optax.state_specs(state, "data")
+        rows[f"step|{spec}|full"] = timed_steps(
+            step(lambda p, s, g, tx=tx: tx.update(g, s, p), specs), params, state, grads
+        )
+    return rows
 
 
 def launch(
@@ -259,6 +353,8 @@ def launch(
         ]
         if args.twins:
             cmd.append("--twins")
+        if args.steps:
+            cmd.append("--steps")
         # The installed jaxcomp, not the checkout: a source tree without an
         # in-tree build has no kernels, and would silently time the twins.
         env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -295,6 +391,67 @@ def predict(kind_bytes: dict[str, int], procs: int, rate_bps: float) -> float:
     return 8 * bytes_out / rate_bps
 
 
+def step_table(procs: int, rate: str, slowest: dict[str, float]) -> list[tuple]:
+    """Rows (procs, rate, codec, update, seconds, x pmean step, x bare) of
+    the optimizer-step measurements of one test bed."""
+    base = slowest["step|pmean"]
+    rows = [(procs, rate, "float32", "lax.pmean + sgd", base, 1.0, None)]
+    for spec in STEP_CODECS:
+        bare, full = slowest[f"step|{spec}|bare"], slowest[f"step|{spec}|full"]
+        rows.append((procs, rate, spec, "bare jc.pmean + sgd", bare, base / bare, 1.0))
+        rows.append((procs, rate, spec, "compress_gradients + sgd", full, base / full, full / bare))
+    return rows
+
+
+def write_steps(args: argparse.Namespace, n: int, table: list[tuple]) -> int:
+    """The optimizer-step results: JSON, and the section between the markers
+    in docs/benchmarks.md when both link rates ran."""
+    out = ROOT / "benchmarks" / "results" / "optax_step_links.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    keys = ("procs", "rate", "codec", "update", "seconds", "speedup_vs_pmean_step", "x_bare")
+    out.write_text(
+        json.dumps(
+            {"n_per_process": n, "rows": [dict(zip(keys, r, strict=True)) for r in table]},
+            indent=1,
+        )
+    )
+    lines = [
+        STEP_BEGIN,
+        f"Command: `sudo python benchmarks/collectives.py {' '.join(sys.argv[1:])}`; four "
+        f"matrices of {n // 4} float32 per process (Laplacian), the step's parameters and "
+        f"optimizer state carried from step to step; median of {args.iters} steps of the "
+        "slowest process. Speedup: the `lax.pmean` + sgd step's time over the row's; "
+        "x bare: the full update's time over the bare all-reduce's (same codec, algorithm "
+        "`auto`).",
+        "",
+        "| P | link | codec | update | time s | speedup vs pmean step | x bare |",
+        "|---|---|---|---|---|---|---|",
+        *[
+            f"| {p} | {r} | `{c}` | {u} | {t:.3f} | {sp:.2f}x | "
+            + ("" if xb is None else f"{xb:.2f}")
+            + " |"
+            for p, r, c, u, t, sp, xb in table
+        ],
+        STEP_END,
+    ]
+    if len(args.rates) > 1:
+        write_section("The optimizer step over emulated links", STEP_BEGIN, STEP_END, lines)
+    return 0
+
+
+def write_section(title: str, begin: str, end: str, lines: list[str]) -> None:
+    """Replaces the text between the markers in docs/benchmarks.md (a new
+    section titled ``title`` at its end where they are missing) with
+    ``lines``, which start and end with the markers."""
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    if begin not in text:
+        text += f"\n## {title}\n\n{begin}\n{end}\n"
+    head, rest = text.split(begin, 1)
+    doc.write_text(head + "\n".join(lines) + rest.split(end, 1)[1])
+    print(f"updated {doc}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -311,6 +468,12 @@ def main() -> int:
         "--twins",
         action="store_true",
         help="time the pure-JAX twins (JAXCOMP_BACKEND=xla) instead of the kernels",
+    )
+    ap.add_argument(
+        "--steps",
+        action="store_true",
+        help="time the optimizer step (plain, bare jc.pmean, full compress_gradients) "
+        "instead of the bare all-reduces",
     )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -352,6 +515,11 @@ def main() -> int:
                 res, wire = launch(hosts, args, tmp)
             shutil.rmtree(tmp, ignore_errors=True)
             slowest = {k: max(statistics.median(t) for t in v) for k, v in res.items()}
+            if args.steps:
+                table += step_table(procs, rate, slowest)
+                for row in table[-len(slowest) :]:
+                    print(" | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in row))
+                continue
             base = slowest.pop("psum")
             base_pred = predict({"all-reduce": 4 * n}, procs, rate_bps)
             table.append((procs, rate, "float32", "lax.psum", 4 * n, base, base_pred, 1.0))
@@ -397,6 +565,8 @@ def main() -> int:
                         )
                     )
                 )
+    if args.steps:
+        return write_steps(args, n, table)
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"n_per_process": n, "rows": records}, indent=1))
@@ -417,13 +587,7 @@ def main() -> int:
         END,
     ]
     if len(args.procs) > 1 and len(args.rates) > 1:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        if BEGIN not in text:
-            text += f"\n## Compressed all-reduce over emulated links\n\n{BEGIN}\n{END}\n"
-        head, rest = text.split(BEGIN, 1)
-        doc.write_text(head + "\n".join(lines) + rest.split(END, 1)[1])
-        print(f"updated {doc}")
+        write_section("Compressed all-reduce over emulated links", BEGIN, END, lines)
     return 0
 
 

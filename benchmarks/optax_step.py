@@ -13,6 +13,10 @@ the sgd update. The devices share this machine's memory and cores, so no
 link is slow here: the figure is the step's compute and copy overhead over
 ``lax.pmean``, not the speedup over a slow network (benchmarks/collectives.py).
 
+``--profile`` prints, per codec, where the full update's time goes: XLA's
+CPU profile of a few steps (``jax.profiler``), per operation of the compiled
+step, with the bytes each one writes (from the compiled HLO).
+
 ``--bare`` adds, per codec, the bare all-reduce with the same codec and
 algorithm (``jc.pmean(grad).value`` of every leaf, then sgd: no error
 feedback, no fusion, no residual update), the figure the full update is
@@ -22,9 +26,14 @@ compared with.
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
 import os
+import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 
@@ -42,6 +51,9 @@ def main() -> int:
         help="K: a tree of K 2048x2048 float32 matrices instead of the MLP-like default",
     )
     ap.add_argument("--bare", action="store_true", help="also time the bare jc.pmean per codec")
+    ap.add_argument(
+        "--profile", action="store_true", help="per-operation profile of the full update"
+    )
     ap.add_argument("--algorithm", default="auto", help="compress_gradients' algorithm")
     ap.add_argument(
         "--error-feedback",
@@ -62,6 +74,7 @@ def main() -> int:
 
     import jax
     import jax.numpy as jnp
+    import numpy as np
     import optax
     from jax import lax
     from jax.sharding import NamedSharding
@@ -86,6 +99,43 @@ def main() -> int:
         for kk, (k, s) in zip(keys, shapes.items(), strict=True)
     }
     grads = jax.device_put(grads, NamedSharding(mesh, P(axis)))
+
+    profiles: list[str] = []
+
+    def profile(step, state, label: str, steps: int = 3, top: int = 14) -> None:
+        """The ops of the compiled step that take the most time (summed over
+        the devices, per step) and the bytes each writes."""
+        f = jax.jit(step, donate_argnums=(1,))
+        compiled = f.lower(params, state, grads).compile().as_text()
+        written = {}
+        for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = \(?(\w+)\[([\d,]*)\]", compiled, re.M):
+            dims = [int(d) for d in m.group(3).split(",") if d]
+            itemsize = {"pred": 1, "u8": 1, "s8": 1, "bf16": 2, "f16": 2, "u16": 2}.get(
+                m.group(2), 4
+            )
+            written[m.group(1)] = int(np.prod(dims, dtype=np.int64)) * itemsize
+        p, state = f(params, state, grads)
+        jax.block_until_ready(p)
+        with tempfile.TemporaryDirectory() as tmp:
+            jax.profiler.start_trace(tmp)
+            for _ in range(steps):
+                p, state = f(p, state, grads)
+                jax.block_until_ready(p)
+            jax.profiler.stop_trace()
+            (trace,) = pathlib.Path(tmp).rglob("*.trace.json.gz")
+            events = json.loads(gzip.open(trace).read())["traceEvents"]
+        total: dict[str, float] = {}
+        for e in events:
+            if e.get("ph") == "X" and e["name"] in written:
+                total[e["name"]] = total.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
+        lines = [
+            f"\n{label}: the {top} costliest operations (ms per step, summed over devices)",
+            "| operation | ms | MiB written per device |",
+            "|---|---|---|",
+        ]
+        for name, ms in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+            lines.append(f"| `{name}` | {ms:.1f} | {written[name] / 2**20:.1f} |")
+        profiles.append("\n".join(lines))
 
     def timed(step, state):
         f = jax.jit(step, donate_argnums=(1,))
@@ -156,6 +206,14 @@ def main() -> int:
             make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)),
             state,
         )
+        if args.profile:
+            profile(
+                make_step(
+                    lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)
+                ),
+                jc.optax.init(tx, params, mesh, axis),
+                f"`{spec}` compress_gradients + sgd",
+            )
         if args.bare:
             tb = timed(make_step(bare_pmean(codec)), sgd.init(params))
             print(
@@ -172,6 +230,8 @@ def main() -> int:
             f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
             f"| {t * 1e3:.1f} | {t / base:.2f} |" + (f" {t / tb:.2f} |" if args.bare else "")
         )
+    for text in profiles:
+        print(text)
     return 0
 
 
