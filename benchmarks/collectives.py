@@ -58,10 +58,12 @@ CASES = [
     ("int8", {"bucket_size": 512}, "two_phase"),
     ("onebit", {"bucket_size": 64}, "two_phase"),
     ("cast", {"dtype": "bfloat16"}, "two_phase"),
+    ("cast", {"dtype": "bfloat16"}, "ring"),
 ]
 # The codecs of the optimizer-step rows (--steps), each with the defaults and
-# the algorithm `auto` picks, as users run them.
-STEP_CODECS = ["qsgd:bits=4", "onebit", "topk:fraction=0.01", "bf16"]
+# the algorithm `auto` picks, as users run them; "spec@algorithm" names
+# another algorithm (the ring for the bf16 cast: see benchmarks/links.py).
+STEP_CODECS = ["qsgd:bits=4", "onebit", "topk:fraction=0.01", "bf16", "bf16@ring"]
 STEP_BEGIN, STEP_END = "<!-- optax-step-links:begin -->", "<!-- optax-step-links:end -->"
 RATES = {"1gbit": ("256kb", "5ms", 1e9), "100mbit": ("32kb", "20ms", 1e8)}
 
@@ -176,12 +178,10 @@ def bed(procs: int, rate: str):
 # ---------------------------------------------------------------------------
 # One process of the job
 # ---------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> None:
+def join(args: argparse.Namespace, axis: str):
+    """Joins this process to the job (jax.distributed over the test bed's
+    bridge) and returns the one-axis mesh of its devices."""
     import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_platforms", "cpu")
     jax.distributed.initialize(
@@ -190,14 +190,48 @@ def worker(args: argparse.Namespace) -> None:
         process_id=args.pid,
         initialization_timeout=120,
     )
+    return jax.make_mesh((args.procs,), (axis,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def add_worker_args(ap: argparse.ArgumentParser) -> None:
+    """The hidden options a launched process of the job is given."""
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+
+
+def time_calls(call, iters: int) -> list[float]:
+    """Seconds of ``iters`` calls of ``call`` (after one to compile and warm
+    up), each started together on every process; ``call`` returns what to
+    wait for."""
+    import jax
     from jax.experimental import multihost_utils
+
+    jax.block_until_ready(call())
+    times = []
+    for _ in range(iters):
+        multihost_utils.sync_global_devices("iter")
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def worker(args: argparse.Namespace) -> None:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = join(args, "data")
 
     import jaxcomp as jc
 
     if not args.twins and not jc.cpu_available():
         raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
     n = 1 << args.log2_n
-    mesh = jax.make_mesh((args.procs,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     sharding = NamedSharding(mesh, P("data"))
     # Gradient-like data: Laplacian (heavier tails than a Gaussian).
     local = np.random.default_rng(args.pid).laplace(size=(1, n)).astype(np.float32)
@@ -205,26 +239,16 @@ def worker(args: argparse.Namespace) -> None:
     key = jax.random.key(0)
 
     def timed(f) -> list[float]:
-        jax.block_until_ready(f(x, key))  # compile, warm up
-        times = []
-        for _ in range(args.iters):
-            multihost_utils.sync_global_devices("iter")
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x, key))
-            times.append(time.perf_counter() - t0)
-        return times
+        return time_calls(lambda: f(x, key), args.iters)
 
     def timed_steps(f, params, state, grads) -> list[float]:
-        params, state = f(params, state, grads)  # compile, warm up
-        jax.block_until_ready(params)
-        times = []
-        for _ in range(args.iters):
-            multihost_utils.sync_global_devices("iter")
-            t0 = time.perf_counter()
-            params, state = f(params, state, grads)
-            jax.block_until_ready(params)
-            times.append(time.perf_counter() - t0)
-        return times
+        carry = [params, state]
+
+        def call():
+            carry[:] = f(carry[0], carry[1], grads)
+            return carry[0]
+
+        return time_calls(call, args.iters)
 
     def shard(fn):
         return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data")))
@@ -302,18 +326,19 @@ def step_rows(args, mesh, local, timed_steps) -> dict[str, list[float]]:
 
     rows = {"step|pmean": timed_steps(step(plain, P()), params, sgd.init(params), grads)}
     for spec in STEP_CODECS:
-        codec = jc.codecs.get(spec)
+        name, _, alg = spec.partition("@")
+        codec, alg = jc.codecs.get(name), alg or "auto"
 
-        def bare(p, s, g, c=codec):
+        def bare(p, s, g, c=codec, a=alg):
             key = jax.random.key(0)
             mean = {
-                k: jc.pmean(g[k], "data", c, key=jax.random.fold_in(key, i)).value
+                k: jc.pmean(g[k], "data", c, key=jax.random.fold_in(key, i), algorithm=a).value
                 for i, k in enumerate(names)
             }
             return sgd.update(mean, s, p)
 
         rows[f"step|{spec}|bare"] = timed_steps(step(bare, P()), params, sgd.init(params), grads)
-        tx = optax.chain(jc.optax.compress_gradients(codec, "data"), sgd)
+        tx = optax.chain(jc.optax.compress_gradients(codec, "data", algorithm=alg), sgd)
         state = jc.optax.init(tx, params, mesh, "data")
         specs = jc.optax.state_specs(state, "data")
         rows[f"step|{spec}|full"] = timed_steps(
@@ -406,7 +431,7 @@ def step_table(procs: int, rate: str, slowest: dict[str, float]) -> list[tuple]:
 def write_steps(args: argparse.Namespace, n: int, table: list[tuple]) -> int:
     """The optimizer-step results: JSON, and the section between the markers
     in docs/benchmarks.md when both link rates ran."""
-    out = ROOT / "benchmarks" / "results" / "optax_step_links.json"
+    out = pathlib.Path(args.json or ROOT / "benchmarks" / "results" / "optax_step_links.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     keys = ("procs", "rate", "codec", "update", "seconds", "speedup_vs_pmean_step", "x_bare")
     out.write_text(
@@ -421,8 +446,8 @@ def write_steps(args: argparse.Namespace, n: int, table: list[tuple]) -> int:
         f"matrices of {n // 4} float32 per process (Laplacian), the step's parameters and "
         f"optimizer state carried from step to step; median of {args.iters} steps of the "
         "slowest process. Speedup: the `lax.pmean` + sgd step's time over the row's; "
-        "x bare: the full update's time over the bare all-reduce's (same codec, algorithm "
-        "`auto`).",
+        "x bare: the full update's time over the bare all-reduce's (same codec and "
+        "algorithm: `auto` unless the codec reads `@algorithm`).",
         "",
         "| P | link | codec | update | time s | speedup vs pmean step | x bare |",
         "|---|---|---|---|---|---|---|",
@@ -463,7 +488,11 @@ def main() -> int:
     )
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--timeout", type=int, default=1800, help="seconds per process")
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "collectives.json"))
+    ap.add_argument(
+        "--json",
+        help="where to write the results (default benchmarks/results/collectives.json, "
+        "or optax_step_links.json with --steps)",
+    )
     ap.add_argument(
         "--twins",
         action="store_true",
@@ -475,10 +504,7 @@ def main() -> int:
         help="time the optimizer step (plain, bare jc.pmean, full compress_gradients) "
         "instead of the bare all-reduces",
     )
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--pid", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    add_worker_args(ap)
     args = ap.parse_args()
     if args.worker:
         args.procs = args.procs[0] if isinstance(args.procs, list) else args.procs
@@ -567,7 +593,7 @@ def main() -> int:
                 )
     if args.steps:
         return write_steps(args, n, table)
-    out = pathlib.Path(args.json)
+    out = pathlib.Path(args.json or ROOT / "benchmarks" / "results" / "collectives.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"n_per_process": n, "rows": records}, indent=1))
     lines = [
