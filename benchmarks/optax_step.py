@@ -111,10 +111,9 @@ def main() -> int:
     def profile(step, state, label: str, steps: int = 3, top: int = 14) -> None:
         """The ops of the compiled step that take the most time (summed over
         the devices, per step) and the bytes each writes."""
-        f = jax.jit(step, donate_argnums=(1,))
-        compiled = f.lower(params, state, grads).compile().as_text()
+        f = jax.jit(step, donate_argnums=(1,)).lower(params, state, grads).compile()
         written = {}
-        for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = \(?(\w+)\[([\d,]*)\]", compiled, re.M):
+        for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = \(?(\w+)\[([\d,]*)\]", f.as_text(), re.M):
             dims = [int(d) for d in m.group(3).split(",") if d]
             itemsize = {"pred": 1, "u8": 1, "s8": 1, "bf16": 2, "f16": 2, "u16": 2}.get(
                 m.group(2), 4
@@ -148,8 +147,8 @@ def main() -> int:
     def footprint(step, state, label: str, steps: int = 5) -> None:
         """Temporary MiB of the compiled step (per device program), minor
         page faults and system milliseconds per step."""
-        f = jax.jit(step, donate_argnums=(1,))
-        temp = f.lower(params, state, grads).compile().memory_analysis().temp_size_in_bytes
+        f = jax.jit(step, donate_argnums=(1,)).lower(params, state, grads).compile()
+        temp = f.memory_analysis().temp_size_in_bytes
         p, state = f(params, state, grads)
         jax.block_until_ready(p)
         r0 = resource.getrusage(resource.RUSAGE_SELF)

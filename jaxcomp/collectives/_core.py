@@ -90,6 +90,7 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
     The server residual is the owned chunk's (``chunk_len`` values)."""
     me = lax.axis_index(axis_name)
     n, dtype = flat.size, flat.dtype
+    backend = fused_backend(codec)
     if codec.split_granularity():
         # One encoding of the whole tensor, cut into per-owner payloads.
         c = chunk_len(codec, n, size)
@@ -104,13 +105,12 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
             else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
         )
         payloads = jax.vmap(codec.encode)(chunks, keys)
-        stage1 = decode_rows(payloads, fused_backend(codec)).reshape(-1)
+        stage1 = decode_rows(payloads, backend).reshape(-1)
     to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
     # My chunk, summed over the devices.
     mine = transfer(payloads, axis_name, "all-to-all", to_owner, decode_sum)
     p2, _, new_state, error = owner_stage(codec, mine, div, state, fold(key, size), dtype)
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    backend = fused_backend(codec)
     total = transfer(
         p2, axis_name, "all-gather", gather, lambda q: decode_rows(q, backend).reshape(-1)[:n]
     )
