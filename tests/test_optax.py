@@ -517,6 +517,91 @@ def test_fusion_issues_few_collectives(mesh):
     assert sum(unfused.values()) >= 12 * arrays
 
 
+_COLLECTIVE = re.compile(
+    r"\b(all-gather|all-to-all|all-reduce|collective-permute|reduce-scatter)(-start)?\("
+)
+
+
+def _entry_collectives(hlo: str) -> tuple[list[str], set[str], callable]:
+    """The top-level collectives of a compiled module and its conditionals
+    that hold collectives, in text order; the set of those conditionals; and
+    ``depends(a, b)``: whether instruction a reads b's result (transitively)."""
+    bodies, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) .*\{$", line)
+        if head:
+            name = "ENTRY" if line.startswith("ENTRY") else head.group(1)
+            bodies[name] = []
+        elif name is not None:
+            bodies[name].append(line)
+    operands, found, conditionals = {}, [], set()
+    for line in bodies["ENTRY"]:
+        m = re.match(r"\s*(?:ROOT )?%([\w.\-]+) = (.*)", line)
+        if not m:
+            continue
+        rhs = m.group(2).split(", metadata=")[0]
+        operands[m.group(1)] = re.findall(r"%([\w.\-]+)", rhs)
+        branches = re.findall(r"branch_computations=\{([^}]*)\}", rhs)
+        nested = [b.strip().lstrip("%") for b in branches[0].split(",")] if branches else []
+        if any(_COLLECTIVE.search(x) for b in nested for x in bodies.get(b, [])):
+            found.append(m.group(1))
+            conditionals.add(m.group(1))
+        elif _COLLECTIVE.search(rhs.split("(")[0] + "("):
+            found.append(m.group(1))
+
+    def depends(a, b):
+        seen, stack = set(), [a]
+        while stack:
+            x = stack.pop()
+            if x == b:
+                return True
+            if x not in seen:
+                seen.add(x)
+                stack += operands.get(x, [])
+        return False
+
+    return found, conditionals, depends
+
+
+@pytest.mark.parametrize(
+    "codec, algorithm, hierarchical, warmup_steps",
+    [
+        # collectives in conditionals: capacity tiers, SparCML's split tiers, the warm-up
+        (jc.codecs.ThreeLC(), "hierarchical", True, 0),
+        (jc.codecs.TopK(fraction=0.1), "sparse", False, 0),
+        (jc.codecs.QSGD(bits=4), "auto", False, 2),
+    ],
+    ids=["ThreeLC-hierarchical", "TopK-sparse", "QSGD-warmup"],
+)
+def test_a_step_enters_its_collectives_in_one_order(
+    mesh, mesh2d, codec, algorithm, hierarchical, warmup_steps
+):
+    """XLA:CPU orders its top-level collectives among themselves, but not
+    against those nested in a conditional (capacity tiers, the warm-up);
+    two buckets' collectives entered in different orders by different
+    devices deadlocked the process (aborted by XLA's rendezvous timeout,
+    under load). The step chains them by data: every conditional that holds
+    collectives comes after, or before, each other collective."""
+    m, axes = (mesh2d, HIER) if hierarchical else (mesh, AXIS)
+    tx = make_tx(codec, axes, algorithm=algorithm, warmup_steps=warmup_steps)
+    state = jc.optax.init(tx, params0(), m, axes)
+    specs = jc.optax.state_specs(state, axes)
+
+    def step(state):
+        return tx.update(grads_at(0, lax.axis_index(axes)), state)
+
+    f = jax.shard_map(step, mesh=m, in_specs=(specs,), out_specs=(P(), specs), check_vma=False)
+    found, conditionals, depends = _entry_collectives(jax.jit(f).lower(state).compile().as_text())
+    assert conditionals and len(found) > len(conditionals), found
+    loose = [
+        (c, x)
+        for c in conditionals
+        for x in found
+        if x != c and not (depends(c, x) or depends(x, c))
+    ]
+    assert not loose, loose
+
+
 # ---------------------------------------------------------------------------
 # Policy
 # ---------------------------------------------------------------------------

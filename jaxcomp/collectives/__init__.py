@@ -32,12 +32,13 @@ from jaxcomp.collectives._core import (
     state_size,
     uncompressed_send_nbytes,
 )
-from jaxcomp.collectives._util import tier_capacities, wire_log
+from jaxcomp.collectives._util import after, tier_capacities, wire_log
 
 __all__ = [
     "ALGORITHMS",
     "COARSE_ALLGATHER_MAX_DEVICES",
     "Reduced",
+    "after",
     "choose_algorithm",
     "init_state",
     "operand_nbytes",

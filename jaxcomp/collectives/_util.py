@@ -48,6 +48,45 @@ def fold(key, i: int | jax.Array):
     return None if key is None else jax.random.fold_in(key, i)
 
 
+def after(x, dep):
+    """``x`` (a pytree of arrays), made to wait for ``dep`` (a pytree) on
+    XLA:CPU.
+
+    XLA:CPU's thunk executor runs independent operations in whatever order
+    they become ready, device by device, handing some to a small thread
+    pool. Two independent chains of collectives (two buckets' all-reduces,
+    one with its collectives nested in a conditional: the capacity tiers of
+    :func:`transfer`) can then be entered in different orders by different
+    devices, each waiting in a rendezvous its peers do not reach while the
+    pool's threads are taken: XLA aborts the process after its rendezvous
+    timeout (seen under load in about 1 run in 4 of a hierarchical 3LC step
+    with two buckets). A data dependency from the previous chain's outputs
+    gives every device the same order. ``lax.optimization_barrier`` does not
+    serve: XLA:CPU removes it after scheduling, and its thunk executor
+    follows data dependencies, not the schedule. So every element of ``x``
+    gets ``-0.0`` added (the identity, bit for bit, for every float), a
+    ``-0.0`` computed from a bit of each leaf of ``dep`` that XLA cannot
+    fold away (integers get 0); it fuses into whatever computes ``x``. Other platforms issue
+    collectives in program order, and keep the freedom to overlap chains.
+    """
+    deps = [d for d in map(jnp.asarray, jax.tree.leaves(dep)) if d.size]
+    if not deps:
+        return x
+
+    def tie(x, *deps):
+        # popcount of 32 bits >> 6 is 0: -0.0's bits, from data at run time.
+        count = sum(
+            lax.population_count(
+                lax.bitcast_convert_type(d.reshape(-1)[0].astype(jnp.float32), jnp.uint32)
+            )
+            for d in deps
+        )
+        zero = lax.bitcast_convert_type(jnp.uint32(0x80000000) | (count >> 6), jnp.float32)
+        return jax.tree.map(lambda a: a + zero.astype(a.dtype), x)
+
+    return lax.platform_dependent(x, *deps, cpu=tie, default=lambda x, *deps: x)
+
+
 def decode_f32(payload: Payload, backend: str = "auto") -> jax.Array:
     """One tensor's payload decoded, flat, in float32."""
     return payload.codec.decode(payload, backend=backend).reshape(-1).astype(jnp.float32)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.collectives import pmean
+from jaxcomp.collectives._util import after
 from jaxcomp.optax._plan import Bucket, Plan
 
 
@@ -57,7 +58,11 @@ def pack(plan: Plan, leaves: list, residuals: list) -> tuple[jax.Array, ...]:
 def _compressed_mean(buckets, operands, *, axes, key, algorithm):
     accs, servers = operands
     values, sent, new_servers = [], [], []
+    previous = None
     for j, (b, acc) in enumerate(zip(buckets, accs, strict=True)):
+        # One bucket's collectives after the other's, on every device alike
+        # (XLA:CPU, see ``after``).
+        acc = after(acc, previous)
         r = pmean(
             acc.astype(b.dtype),
             axes,
@@ -69,6 +74,7 @@ def _compressed_mean(buckets, operands, *, axes, key, algorithm):
         values.append(r.value)
         sent.append(r.sent)
         new_servers.append(r.state)
+        previous = (r.value, r.sent, r.state)
     return tuple(values), tuple(sent), None if servers is None else tuple(new_servers)
 
 
@@ -116,7 +122,8 @@ def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None)
     else:
         exact = functools.partial(_exact_mean, plan.buckets, axes=axes)
         means, sent, servers = lax.cond(warmup, exact, compressed, (accs[:nb], servers))
-    exact_means, exact_sent, _ = _exact_mean(plan.groups[nb:], (accs[nb:], None), axes=axes)
+    rest = after(accs[nb:], (means, sent, servers))  # the exact all-reduce comes last
+    exact_means, exact_sent, _ = _exact_mean(plan.groups[nb:], (rest, None), axes=axes)
     return means + exact_means, sent + exact_sent, servers
 
 
