@@ -261,10 +261,30 @@ def test_spec_strings_and_aliases():
     assert get("threelc:sparsity=1.5,capacity=none") == jc.codecs.ThreeLC(sparsity=1.5)
     assert get("bf16") == get("bfloat16") == jc.codecs.Cast("bfloat16")
     assert get("fp16") == get("f16") == jc.codecs.Cast("float16")
-    with pytest.raises(ValueError, match="aliases"):
-        get("int4")
-    with pytest.raises(TypeError, match="string"):
-        get(jc.codecs.QSGD)  # type: ignore[arg-type]
+    assert get("1bit") == get("1-bit") == jc.codecs.OneBit()
+    assert get("3lc:sparsity=1.5") == jc.codecs.ThreeLC(sparsity=1.5)
+    assert get("sign") == jc.codecs.SignSGD()
+    nested = get("topk:fraction=0.01,value_codec=(qsgd:bits=8,bucket_size=64)")
+    assert nested == jc.codecs.TopK(
+        fraction=0.01, value_codec=jc.codecs.QSGD(bits=8, bucket_size=64)
+    )
+    with pytest.raises(ValueError, match="bf16 = cast:dtype=bfloat16"):
+        get("int4")  # the error lists the aliases with what they stand for
+    with pytest.raises(ValueError, match="parentheses"):
+        get("topk:value_codec=(qsgd:bits=8")
+    # Classes (their defaults, or the keywords) and codecs go through as well.
+    assert get(jc.codecs.QSGD) == jc.codecs.QSGD()
+    assert get(jc.codecs.QSGD, bits=2) == jc.codecs.QSGD(bits=2)
+    codec = jc.codecs.Int8(bucket_size=64)
+    assert get(codec) is codec and get(codec, bucket_size=8) == jc.codecs.Int8(bucket_size=8)
+    with pytest.raises(TypeError, match="spec string"):
+        get(4)  # type: ignore[arg-type]
+
+
+@codecs
+def test_codecs_print_as_specs_that_get_reads_back(codec):
+    assert str(codec) == codec.spec and codec.spec.startswith(codec.name)
+    assert jc.codecs.get(codec.spec) == codec
 
 
 def test_structural_parameters_are_keyword_only():

@@ -612,3 +612,15 @@ def test_auto_follows_the_codecs_recompression():
     assert jcc.recompression_warning(jc.codecs.TernGrad(), "ring")
     assert jcc.recompression_warning(jc.codecs.TernGrad(), "allgather") is None
     assert jcc.recompression_warning(jc.codecs.OneBit(), "two_phase") is None
+
+
+def test_codec_as_spec_string(mesh):
+    """jc.psum takes a codec's spec string (or its class) as the codec."""
+    x = jax.random.normal(jax.random.key(3), (N_DEV, 2048))
+    _, want = _run(mesh, jc.codecs.QSGD(bits=4), "auto", x)
+    for codec in ("qsgd:bits=4", jc.codecs.QSGD):
+        _, got = _run(mesh, codec, "auto", x)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(TypeError, match="spec string"):
+        _run(mesh, 4, "auto", x)

@@ -478,6 +478,25 @@ def _count_collectives(hlo: str) -> dict[str, int]:
     return {k: len(re.findall(rf"= [^=]*?\b{k}(-start)?\(", hlo)) for k in kinds}
 
 
+def test_codec_given_as_spec_string_or_class():
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((4096,))}
+    kw = dict(min_compress_size=1024, fusion_bytes=1 << 20)
+    want = make_plan(jc.codecs.QSGD(bits=4), params, **kw)
+    assert make_plan("qsgd:bits=4", params, **kw) == want
+    assert make_plan(jc.codecs.QSGD, params, **kw) == want
+    assert make_plan({"w": "qsgd:bits=4", "b": jc.codecs.QSGD}, params, **kw) == want
+    assert make_plan(lambda path, leaf: "qsgd:bits=4", params, **kw) == want
+    # Wrong forms say what is expected, at construction where they can.
+    with pytest.raises(ValueError, match="unknown codec 'qsgd4'"):
+        jc.optax.compress_gradients("qsgd4", AXIS)
+    with pytest.raises(TypeError, match="spec string"):
+        make_plan(4, params, **kw)
+    with pytest.raises(TypeError, match="spec string"):
+        make_plan({"w": 4, "b": None}, params, **kw)
+    with pytest.raises(TypeError, match="spec string"):
+        make_plan(lambda path, leaf: 4, params, **kw)
+
+
 def test_fusion_issues_few_collectives(mesh):
     codec = jc.codecs.QSGD(bits=4)
     params = {f"w{i}": jnp.zeros((64, 32)) for i in range(12)}

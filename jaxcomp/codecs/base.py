@@ -99,13 +99,44 @@ def by_id(codec_id: int) -> type[Codec] | None:
     return _BY_ID.get(codec_id)
 
 
-_ALIASES = {"bf16": ("cast", {"dtype": "bfloat16"}), "fp16": ("cast", {"dtype": "float16"})}
+_ALIASES = {
+    "bf16": ("cast", {"dtype": "bfloat16"}),
+    "fp16": ("cast", {"dtype": "float16"}),
+    "1bit": ("onebit", {}),
+    "3lc": ("threelc", {}),
+    "sign": ("signsgd", {}),
+}
 _ALIASES["bfloat16"] = _ALIASES["bf16"]
 _ALIASES["float16"] = _ALIASES["f16"] = _ALIASES["fp16"]
+_ALIASES["1-bit"] = _ALIASES["1bit"]
+
+_SPEC_HELP = (
+    "a codec (jc.codecs.QSGD(bits=4)), a codec class (jc.codecs.QSGD: its defaults) or a "
+    "spec string ('qsgd:bits=4,bucket_size=512', 'bf16', 'topk:fraction=0.01')"
+)
+
+
+def _split_top(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside parentheses."""
+    out, depth, cur = [], 0, []
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if depth < 0:
+            raise ValueError(f"jc.codecs.get: unbalanced parentheses in {text!r}")
+        if ch == sep and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if depth:
+        raise ValueError(f"jc.codecs.get: unbalanced parentheses in {text!r}")
+    return [*out, "".join(cur)]
 
 
 def _parse_value(text: str) -> Any:
     t = text.strip()
+    if t.startswith("(") and t.endswith(")"):  # a nested codec: value_codec=(qsgd:bits=8)
+        return get(t[1:-1])
     low = t.lower()
     if low in ("true", "false"):
         return low == "true"
@@ -121,31 +152,58 @@ def _parse_value(text: str) -> Any:
     return t
 
 
-def get(name: str, **params: Any) -> Codec:
+def _format_value(v: Any) -> str:
+    """A parameter value as :func:`_parse_value` reads it back."""
+    if v is None:
+        return "none"
+    if isinstance(v, (bool, np.bool_)):
+        return "true" if v else "false"
+    if isinstance(v, (int, np.integer)):
+        return str(int(v))
+    if isinstance(v, (float, np.floating)):
+        return repr(float(v))
+    if isinstance(v, tuple) and all(isinstance(e, (int, np.integer)) for e in v):
+        return "x".join(str(int(e)) for e in v)
+    if isinstance(v, Codec):
+        return f"({v.spec})"
+    return str(v)
+
+
+def get(name: Any, **params: Any) -> Codec:
     """A codec by name and parameters, or by a spec string.
 
     Args:
       name: a codec name (``"qsgd"``, ``"onebit"``, ...: see :func:`names`),
-        an alias (``"bf16"``, ``"fp16"``), or a spec string
-        ``"name:key=value,key=value"`` (e.g. ``"qsgd:bits=4,bucket_size=512"``,
-        ``"topk:k_per_bucket=8x512"``).
+        an alias (``"bf16"``, ``"fp16"``, ``"1bit"``, ``"3lc"``, ``"sign"``),
+        or a spec string ``"name:key=value,key=value"`` (e.g.
+        ``"qsgd:bits=4,bucket_size=512"``, ``"topk:k_per_bucket=8x512"``,
+        ``"topk:fraction=0.01,value_codec=(qsgd:bits=8)"``), as
+        :attr:`Codec.spec` and ``str(codec)`` write it; or a codec class
+        (``jc.codecs.QSGD``, constructed with ``params``) or a codec
+        (returned as it is, or with ``params`` replaced).
       **params: the codec's parameters (they override those of the string).
     Returns:
       The codec, equal to the one its class would construct.
     Raises:
-      ValueError: an unknown name, with the known ones listed; or a bad
-        parameter, as the codec's constructor reports it.
+      ValueError: an unknown name, with the known ones and the aliases
+        listed; or a bad parameter, as the codec's constructor reports it.
+      TypeError: anything else than the forms above.
     """
+    if isinstance(name, Codec):
+        return dataclasses.replace(name, **params) if params else name
+    if isinstance(name, type) and issubclass(name, Codec):
+        return name(**params)
     if not isinstance(name, str):
-        raise TypeError(f"jc.codecs.get: name must be a string, got {type(name).__name__}")
+        raise TypeError(f"jc.codecs.get: expected {_SPEC_HELP}; got {type(name).__name__}")
     head, _, rest = name.partition(":")
     spec: dict[str, Any] = {}
     if rest.strip():
-        for item in rest.split(","):
+        for item in _split_top(rest, ","):
             key, eq, value = item.partition("=")
             if not eq or not key.strip():
                 raise ValueError(
-                    f"jc.codecs.get: cannot read {item!r} in {name!r}; write name:key=value,..."
+                    f"jc.codecs.get: cannot read {item!r} in {name!r}; write "
+                    "name:key=value,... (e.g. 'qsgd:bits=4,bucket_size=512')"
                 )
             spec[key.strip()] = _parse_value(value)
     head = head.strip().lower()
@@ -156,9 +214,26 @@ def get(name: str, **params: Any) -> Codec:
         cls = _REGISTRY[head]
     except KeyError:
         raise ValueError(
-            f"jc.codecs.get: unknown codec {head!r}; known: {names()} (aliases: {sorted(_ALIASES)})"
+            f"jc.codecs.get: unknown codec {head!r}; known: {names()} (aliases: "
+            f"{', '.join(f'{a} = {_alias_target(a)}' for a in sorted(_ALIASES))}); "
+            "parameters go after a colon: 'qsgd:bits=4'"
         ) from None
     return cls(**{**spec, **params})
+
+
+def _alias_target(alias: str) -> str:
+    head, params = _ALIASES[alias]
+    return head + (
+        ":" + ",".join(f"{k}={_format_value(v)}" for k, v in params.items()) if params else ""
+    )
+
+
+def as_codec(value: Any, who: str) -> Codec:
+    """``value`` as a codec, for the functions that take one: a codec, a
+    codec class (its defaults) or a spec string (:func:`get`)."""
+    if isinstance(value, (Codec, str)) or (isinstance(value, type) and issubclass(value, Codec)):
+        return get(value)
+    raise TypeError(f"{who}: the codec must be {_SPEC_HELP}; got {type(value).__name__}")
 
 
 def check_int(owner: str, name: str, value: Any, allowed: str, ok: bool) -> None:
@@ -480,6 +555,18 @@ class Codec:
                 f"{type(self).__name__}.encode: inputs are limited to 2^32 - 1 elements"
             )
         return x
+
+    @property
+    def spec(self) -> str:
+        """This codec as a spec string that :func:`get` reads back:
+        ``"qsgd:bits=4,bucket_size=512,norm=max"`` (every parameter
+        written out). ``str(codec)`` is the same string."""
+        fields = [f for f in dataclasses.fields(self) if f.init]
+        parts = [f"{f.name}={_format_value(getattr(self, f.name))}" for f in fields]
+        return self.name + (":" + ",".join(parts) if parts else "")
+
+    def __str__(self) -> str:
+        return self.spec
 
     def encode(self, x: Any, key: jax.Array | None = None, *, backend: str = "auto") -> Payload:
         """Encodes ``x`` (float32/bfloat16/float16, any shape) into a payload.

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec, Rate
+from jaxcomp.codecs.base import Codec, Rate, as_codec
 from jaxcomp.collectives import _sparse, _util
 from jaxcomp.collectives._util import (
     axis_size,
@@ -330,8 +330,7 @@ def _check_state(state, codec, n, dtype, sizes, algorithm):
 def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state) -> Reduced:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"jc.psum: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if not isinstance(codec, Codec):
-        raise TypeError(f"jc.psum: codec must be a jaxcomp codec, got {type(codec).__name__}")
+    codec = as_codec(codec, "jc.psum")  # a codec, its class or its spec string
     x = codec.check_input(x)
     flat = x.reshape(-1)
     if isinstance(axis_name, (tuple, list)):
@@ -386,7 +385,7 @@ def psum(
       x: this device's tensor (float32, bfloat16 or float16, any shape).
       axis_name: the mesh axis to reduce over, or ``(slow, fast)`` axes for
         the hierarchical algorithm.
-      codec: a :mod:`jaxcomp.codecs` codec.
+      codec: a :mod:`jaxcomp.codecs` codec (or its spec string, "qsgd:bits=4").
       key: a PRNG key, required by stochastic codecs; it is folded with the
         device index, so pass the same key on every device.
       algorithm: "auto" (see :func:`choose_algorithm`), "allgather",
@@ -408,7 +407,7 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto", stat
     Args:
       x: this device's tensor (float32, bfloat16 or float16, any shape).
       axis_name: the mesh axis, or ``(slow, fast)`` axes (hierarchical).
-      codec: a :mod:`jaxcomp.codecs` codec.
+      codec: a :mod:`jaxcomp.codecs` codec (or its spec string, "qsgd:bits=4").
       key: a PRNG key, required by stochastic codecs (the same on every
         device).
       algorithm: as in :func:`psum`.

@@ -23,9 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import SUPPORTED_DTYPES, Codec
+from jaxcomp.codecs.base import SUPPORTED_DTYPES, Codec, as_codec
 
-Policy = Codec | Callable[[tuple, Any], Codec | None] | Any
+Policy = Codec | str | Callable[[tuple, Any], Codec | None] | Any
+
+_WHO = "jc.optax.compress_gradients"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,28 +123,40 @@ def gradient_shapes(params):
 
 
 def _is_codec_leaf(x) -> bool:
-    return x is None or isinstance(x, Codec)
+    return x is None or isinstance(x, (Codec, str))
+
+
+def is_codec_like(x) -> bool:
+    """A codec, a codec class or a spec string (:func:`jaxcomp.codecs.get`)."""
+    return isinstance(x, (Codec, str)) or (isinstance(x, type) and issubclass(x, Codec))
 
 
 def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
     """The codec (or None) of every leaf of ``tree``, in flatten order."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    if isinstance(policy, Codec):
-        return [policy] * len(leaves_with_path)
+    if is_codec_like(policy):  # one codec, a codec class or a spec string for every leaf
+        return [as_codec(policy, _WHO)] * len(leaves_with_path)
     if policy is None:
         return [None] * len(leaves_with_path)
     if callable(policy) and not isinstance(policy, (dict, list, tuple)):
         out = []
         for path, leaf in leaves_with_path:
             c = policy(path, leaf)
-            if c is not None and not isinstance(c, Codec):
+            if c is not None and not is_codec_like(c):
                 raise TypeError(
-                    "jc.optax.compress_gradients: the codec policy must return a jaxcomp codec "
-                    f"or None; for {jax.tree_util.keystr(path)} it returned {type(c).__name__}"
+                    "jc.optax.compress_gradients: the codec policy must return a jaxcomp codec, "
+                    "a spec string such as 'qsgd:bits=4', or None; for "
+                    f"{jax.tree_util.keystr(path)} it returned {type(c).__name__}"
                 )
-            out.append(c)
+            out.append(None if c is None else as_codec(c, _WHO))
         return out
     codecs, cdef = jax.tree.flatten(policy, is_leaf=_is_codec_leaf)
+    if jax.tree_util.treedef_is_leaf(cdef) and cdef != treedef:
+        raise TypeError(
+            f"{_WHO}: the codec must be a codec (jc.codecs.QSGD(bits=4)), a codec class, a "
+            "spec string ('qsgd:bits=4'), a callable (path, leaf) -> codec | None, or a pytree "
+            f"of codecs and None shaped like the gradients; got {type(policy).__name__}"
+        )
     if cdef != treedef:
         raise ValueError(
             "jc.optax.compress_gradients: the codec pytree does not match the gradients. "
@@ -150,12 +164,12 @@ def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
             f"same structure as the parameters.\n  codecs:    {cdef}\n  gradients: {treedef}"
         )
     for c in codecs:
-        if c is not None and not isinstance(c, Codec):
+        if c is not None and not is_codec_like(c):
             raise TypeError(
-                "jc.optax.compress_gradients: the codec pytree's leaves must be jaxcomp codecs "
-                f"or None, got {type(c).__name__}"
+                "jc.optax.compress_gradients: the codec pytree's leaves must be jaxcomp codecs, "
+                f"spec strings such as 'qsgd:bits=4', or None, got {type(c).__name__}"
             )
-    return codecs
+    return [None if c is None else as_codec(c, _WHO) for c in codecs]
 
 
 def _route(path: str, codec: Codec | None, size: int, dtype: np.dtype, min_compress_size: int):

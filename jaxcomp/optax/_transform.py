@@ -14,8 +14,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp.codecs.base import as_codec
 from jaxcomp.collectives import ALGORITHMS, recompression_warning, state_size
-from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan
+from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, is_codec_like, make_plan
 from jaxcomp.optax._step import all_finite, pack, reduce, unpack
 from jaxcomp.optax._telemetry import Telemetry, global_norm, step_telemetry
 
@@ -327,9 +328,11 @@ def compress_gradients(
     non-finite.
 
     Args:
-      codec: a :mod:`jaxcomp.codecs` codec for every leaf; or a callable
-        ``(path, leaf) -> codec | None``; or a pytree of codecs and ``None``
-        with the gradients' structure (``None``: uncompressed).
+      codec: a :mod:`jaxcomp.codecs` codec for every leaf (or its spec
+        string, ``"qsgd:bits=4"``, or its class, for its defaults); or a
+        callable ``(path, leaf) -> codec | None``; or a pytree of codecs
+        and ``None`` with the gradients' structure (``None``: uncompressed).
+        Wherever a codec goes, a spec string does too.
       axis_name: the data-parallel mesh / pmap axis; a pair
         ``(slow, fast)`` selects the hierarchical algorithm.
       error_feedback: carry what compression dropped to the next step.
@@ -361,6 +364,8 @@ def compress_gradients(
     fusion_bytes, min_compress_size, residual_dtype = _check_options(
         algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype
     )
+    if is_codec_like(codec):  # a spec string or a codec class: read it now, errors included
+        codec = as_codec(codec, _WHO)
     error_feedback, residual_norm = bool(error_feedback), bool(residual_norm)
     two_level = error_feedback and bool(server_error_feedback)
     no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
