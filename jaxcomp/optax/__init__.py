@@ -5,9 +5,11 @@ data-parallel train step (inside ``jax.shard_map`` or ``jax.pmap``). Its
 state holds the error-feedback residuals, shaped like the parameters, and
 the telemetry; tensor fusion, the per-leaf codec policy and warm-up decide
 how each step sends the gradients, and the state does not depend on them.
-See docs/training.md.
+``onebit_adam`` is Adam whose momentum is sent compressed after a warm-up
+(1-bit Adam). See docs/training.md.
 """
 
+from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._state import init, state_specs, telemetry
 from jaxcomp.optax._telemetry import Telemetry
@@ -16,11 +18,14 @@ from jaxcomp.optax._transform import CompressState, compress_gradients
 __all__ = [
     "Bucket",
     "CompressState",
+    "OneBitAdamState",
     "Plan",
     "Telemetry",
     "compress_gradients",
     "init",
     "make_plan",
+    "onebit_adam",
+    "scale_by_onebit_adam",
     "state_specs",
     "telemetry",
 ]
