@@ -100,6 +100,19 @@ def test_lm_steps():
     assert result["bits_per_element"] < 32.0
 
 
+@pytest.mark.slow
+def test_lm_steps_with_onebit_adam():
+    from examples.lm import main
+
+    tiny = str(ROOT / "examples/lm/configs/tiny.py")
+    argv = ["--config", tiny, "--codec", "onebit", "--optimizer", "onebit_adam", "--quiet"]
+    result = main.main([*argv, "--steps", "4", "--freeze-steps", "2"])
+    assert _finite(result)
+    assert result["test_loss"] < 7.0
+    with pytest.raises(ValueError, match="compressed codec"):
+        main.main(["--config", tiny, "--codec", "float32", "--optimizer", "onebit_adam", "--quiet"])
+
+
 def test_config_flags_override():
     import argparse
 

@@ -2,6 +2,7 @@
 
     python -m examples.lm.main --codec qsgd:bits=4 --steps 400
     python -m examples.lm.main --codec float32 --workdir /tmp/lm
+    python -m examples.lm.main --codec onebit --optimizer onebit_adam
 
 Run from the repository root. ``--config`` names a Python file whose
 ``get_config()`` returns a ``train.Config`` (default: configs/default.py);
@@ -15,6 +16,7 @@ from examples import common
 common.simulate_devices(8)  # before jax is imported (by train below)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 from examples.lm import train  # noqa: E402
 
@@ -26,8 +28,16 @@ def main(argv: list[str] | None = None) -> dict:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     common.add_flags(ap)
+    ap.add_argument(
+        "--optimizer",
+        choices=("adamw", "onebit_adam"),
+        help="adamw after compress_gradients (default), or jc.optax.onebit_adam",
+    )
+    ap.add_argument("--freeze-steps", type=int, help="onebit_adam's warm-up (default: steps / 5)")
     args = ap.parse_args(argv)
     config = common.config_from_flags(args, default="examples/lm/configs/default.py")
+    extra = {"optimizer": args.optimizer, "freeze_steps": args.freeze_steps}
+    config = dataclasses.replace(config, **{k: v for k, v in extra.items() if v is not None})
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(
         f"final: held-out loss {result['test_loss']:.4f} nats/byte  "

@@ -45,6 +45,11 @@ class Config:
     learning_rate: float = 3e-3  # Adam; linear warm-up, then cosine decay
     warmup: int = 20
     weight_decay: float = 1e-4
+    # "adamw": compress_gradients, then optax.adamw; "onebit_adam":
+    # jc.optax.onebit_adam (Adam's momentum sent compressed after a warm-up
+    # of freeze_steps exact steps; 0: a fifth of the steps).
+    optimizer: str = "adamw"
+    freeze_steps: int = 0
     eval_windows: int = 256  # held-out windows evaluated (fixed, non-overlapping)
     log_every: int = 100
     seed: int = 0
@@ -141,6 +146,23 @@ class Trainer:
         schedule = optax.warmup_cosine_decay_schedule(
             0.0, c.learning_rate, min(c.warmup, c.steps - 1), c.steps
         )
+        if c.optimizer == "onebit_adam":
+            if self.spec.uncompressed:
+                raise ValueError("optimizer='onebit_adam' needs a compressed codec")
+            import jaxcomp as jc
+
+            return jc.optax.onebit_adam(
+                schedule,
+                common.AXIS,
+                self.spec.build(),
+                warmup_steps=c.freeze_steps or max(1, c.steps // 5),
+                weight_decay=c.weight_decay,
+                algorithm=c.algorithm,
+                min_compress_size=c.min_compress_size,
+                seed=seed,
+            )
+        if c.optimizer != "adamw":
+            raise ValueError(f"optimizer must be 'adamw' or 'onebit_adam', got {c.optimizer!r}")
         return optax.chain(
             common.gradient_transformation(
                 self.spec,
