@@ -206,7 +206,11 @@ def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params
 
     ndev = mesh.shape[AXIS]
     param_specs = jax.tree.map(lambda _: P(), param_shapes)
-    specs = jc.optax.state_specs(jax.eval_shape(tx.init, param_shapes), AXIS)
+    state_shapes = jax.eval_shape(tx.init, param_shapes)
+    if spec.uncompressed:  # no per-device state: all replicated
+        specs = jax.tree.map(lambda _: P(), state_shapes)
+    else:
+        specs = jc.optax.state_specs(state_shapes, AXIS)
 
     def local(params, opt_state, data_key, start, num_steps):
         dev = lax.axis_index(AXIS)

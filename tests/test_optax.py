@@ -478,6 +478,18 @@ def _count_collectives(hlo: str) -> dict[str, int]:
     return {k: len(re.findall(rf"= [^=]*?\b{k}(-start)?\(", hlo)) for k in kinds}
 
 
+def test_state_specs_refuses_a_state_without_compression(mesh):
+    """A state with no compress state inside would get P() everywhere, and
+    per-device residuals hidden in it would pass as replicated: refused."""
+    tx = optax.adam(1e-3)
+    state = jc.optax.init(tx, params0(), mesh, AXIS)  # init: replicated, fine
+    with pytest.raises(ValueError, match=r"no jc\.optax\.compress_gradients"):
+        jc.optax.state_specs(state, AXIS)
+    wrapped = {"opt_state": [np.zeros(3)]}  # e.g. leaves wrapped by a framework
+    with pytest.raises(ValueError, match="optax state itself"):
+        jc.optax.state_specs(wrapped, AXIS)
+
+
 def test_codec_given_as_spec_string_or_class():
     params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((4096,))}
     kw = dict(min_compress_size=1024, fusion_bytes=1 << 20)

@@ -70,7 +70,24 @@ def state_specs(opt_state, axis_name) -> Any:
     Returns:
       A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
       ``in_specs`` / ``out_specs`` of ``jax.shard_map``.
+    Raises:
+      ValueError: ``opt_state`` holds no ``compress_gradients`` state (a
+        chain without compression, or a container hiding it, such as an
+        NNX ``nnx.State``): every leaf would silently be replicated.
     """
+    if not _find(opt_state):
+        raise ValueError(
+            "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam) state inside "
+            f"this optimizer state (a {type(opt_state).__name__}), so no leaf would be laid out "
+            "per device. Pass the optax state itself, as tx.init or jc.optax.init returned it "
+            "(a container that wraps its leaves, such as a Flax NNX optimizer's nnx.State, "
+            "hides the compress state). A chain without compression is replicated: "
+            "jax.tree.map(lambda _: P(), opt_state)."
+        )
+    return _specs(opt_state, axis_name)
+
+
+def _specs(opt_state, axis_name) -> Any:
     spec = _spec(axis_name)
 
     def is_node(x):
@@ -120,7 +137,7 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
     Returns:
       The optimizer state, global arrays on ``mesh``.
     """
-    specs = state_specs(jax.eval_shape(tx.init, params), axis_name)
+    specs = _specs(jax.eval_shape(tx.init, params), axis_name)  # a chain without one: replicated
     f = jax.shard_map(
         tx.init,
         mesh=mesh,
