@@ -6,7 +6,8 @@ Joins a jax.distributed job on loopback (gloo CPU collectives, one CPU device
 per process), runs jc.psum for every (codec, algorithm) case on the same
 deterministic global input, with a server residual (two-level error
 feedback) where the algorithm has one, and saves this process's rows of
-value, sent and the new server residual.
+value, sent and the new server residual; then a few steps of
+jc.optax.onebit_adam across the freeze, saving this process's updates.
 """
 
 import sys
@@ -57,6 +58,37 @@ def run(mesh, x, codec, algorithm, state):
     return g(x, state, jax.random.key(7))
 
 
+ADAM_STEPS, ADAM_WARMUP = 5, 2
+
+
+def adam_updates(mesh, x):
+    """The updates of ``ADAM_STEPS`` steps of jc.optax.onebit_adam (OneBit,
+    the variance frozen after ``ADAM_WARMUP``) on device d's gradients
+    ``x[d] * (1 + t)``: [devices, steps, N], one row per device."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    import jaxcomp as jc
+
+    tx = jc.optax.onebit_adam(1e-2, "data", warmup_steps=ADAM_WARMUP)
+    params = {"w": np.zeros(N, np.float32)}
+    state = jc.optax.init(tx, params, mesh, "data")
+    specs = jc.optax.state_specs(state, "data")
+
+    def body(x, state):
+        def one(state, t):
+            u, state = tx.update({"w": x[0] * (1.0 + t)}, state, params)
+            return state, u["w"]
+
+        return lax.scan(one, state, jnp.arange(ADAM_STEPS, dtype=jnp.float32))[1][None]
+
+    # check_vma=False: the mean comes out of all-gathers typed per device (docs/training.md)
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data"), specs), out_specs=P("data"), check_vma=False
+    )
+    return jax.jit(f)(x, state)
+
+
 def main() -> None:
     port, num, pid, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_platforms", "cpu")
@@ -78,6 +110,7 @@ def main() -> None:
         for what, arr in zip(("value", "sent", "state"), outs, strict=True):
             (mine,) = [np.asarray(s.data) for s in arr.addressable_shards]
             results[f"{what}{i}"] = mine
+    (results["adam"],) = [np.asarray(s.data) for s in adam_updates(mesh, x).addressable_shards]
     np.savez(out, **results)
     jax.distributed.shutdown()
 

@@ -3,6 +3,8 @@ simulated devices: plain Adam during the warm-up, Adam with the variance
 frozen after it, conservation of the momentum's error feedback, resume across
 the freeze boundary, and the state's layout."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,7 +42,12 @@ def grads_at(t, d):
     }
 
 
-def run(mesh, tx, steps, state=None, t0=0):
+def decaying_grads_at(t, d):
+    """grads_at, scaled by 1 + 10 / (t + 1): a variance that settles."""
+    return jax.tree.map(lambda g: g * (1 + 10 / (t + 1)), grads_at(t, d))
+
+
+def run(mesh, tx, steps, state=None, t0=0, grads=grads_at):
     """``steps`` updates of ``tx`` on every device of ``mesh`` in one scan:
     returns (state, updates stacked over steps, mu before each step)."""
     if state is None:
@@ -52,7 +59,7 @@ def run(mesh, tx, steps, state=None, t0=0):
 
         def one(state, t):
             mu = _adam_state(state).mu
-            u, state = tx.update(grads_at(t, d), state, params0())
+            u, state = tx.update(grads(t, d), state, params0())
             return state, (u, mu)
 
         return lax.scan(one, state, t0 + jnp.arange(steps))
@@ -71,8 +78,8 @@ def _adam_state(state) -> jc.optax.OneBitAdamState:
     return s
 
 
-def mean_grads(t):
-    gs = [grads_at(t, d) for d in range(N_DEV)]
+def mean_grads(t, grads=grads_at):
+    gs = [grads(t, d) for d in range(N_DEV)]
     return {k: np.mean([np.asarray(g[k], np.float64) for g in gs], axis=0) for k in SHAPES}
 
 
@@ -101,12 +108,14 @@ def test_warmup_is_adam():
         )
 
 
-def test_identity_codec_is_adam_with_the_variance_frozen():
+@pytest.mark.parametrize("send", ["momentum", "gradient"])
+def test_identity_codec_is_adam_with_the_variance_frozen(send):
     """After the warm-up, with an exact codec, the update is Adam's with
     the second moment (and its bias correction) frozen at the warm-up's
-    last step; the momentum goes on from the mean gradient."""
+    last step; the momentum goes on from the mean gradient, whether the
+    devices send their momenta or only its new part."""
     mesh, warm, steps = mesh_of(N_DEV), 4, 12
-    tx = jc.optax.onebit_adam(LR, AXIS, jc.codecs.Identity(), warmup_steps=warm)
+    tx = jc.optax.onebit_adam(LR, AXIS, jc.codecs.Identity(), warmup_steps=warm, send=send)
     _, got, _ = run(mesh, tx, steps)
     mu = {k: np.zeros(s) for k, s in SHAPES.items()}
     nu = {k: np.zeros(s) for k, s in SHAPES.items()}
@@ -122,14 +131,37 @@ def test_identity_codec_is_adam_with_the_variance_frozen():
             np.testing.assert_allclose(np.asarray(got[k][t]), want, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    "codec, same_as",
+    [("onebit:bucket_size=256", "momentum"), ("topk:fraction=0.05", "gradient")],
+)
+def test_send_auto_follows_the_codec_rate(codec, same_as):
+    """send="auto": a sparse (or variable-rate) codec sends only the
+    momentum's new part, a dense one the whole momentum."""
+    mesh = mesh_of(N_DEV)
+
+    def updates(send):
+        tx = jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=2, send=send)
+        return run(mesh, tx, 5)[1]
+
+    auto, same = updates("auto"), updates(same_as)
+    other = updates("gradient" if same_as == "momentum" else "momentum")
+    for k in ("a", "c"):
+        np.testing.assert_array_equal(np.asarray(auto[k]), np.asarray(same[k]))
+    assert not np.array_equal(np.asarray(auto["a"][2:]), np.asarray(other["a"][2:]))
+
+
 @pytest.mark.slow
-def test_momentum_error_feedback_conserves():
+@pytest.mark.parametrize(
+    "codec, send", [(jc.codecs.OneBit(), "momentum"), (jc.codecs.TopK(fraction=0.05), "gradient")]
+)
+def test_momentum_error_feedback_conserves(codec, send):
     """Nothing the codec drops from the momentum is lost: over 1,000 steps
-    after the warm-up, P times the sum of the common momenta plus every
-    device's residual equals the sum of the momenta the devices sent."""
+    after the warm-up, P times the sum of what the common momentum took in
+    (mu, or mu - b1 mu_prev where only the new part is sent) plus every
+    device's residual equals the sum of what the devices sent."""
     mesh, warm, steps = mesh_of(N_DEV), 3, 1000
-    codec = jc.codecs.OneBit()
-    tx = jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=warm, algorithm="allgather")
+    tx = jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=warm, algorithm="allgather", send=send)
     state, _, mus = run(mesh, tx, steps)
     s = _adam_state(state)
     final_mu = {k: np.asarray(v, np.float64) for k, v in s.mu.items()}
@@ -142,12 +174,15 @@ def test_momentum_error_feedback_conserves():
             lambda t: jax.tree.map(lambda *g: sum(g), *[grads_at(t, d) for d in range(N_DEV)])
         )(ts)
     )(jnp.arange(warm, steps))
+    echo = B1 if send == "momentum" else 0.0  # the part of mu_prev each device sent
     sent = {
-        k: (1 - B1) * np.asarray(per_step[k], np.float64).sum(0) + B1 * N_DEV * mus[k][warm:].sum(0)
+        k: (1 - B1) * np.asarray(per_step[k], np.float64).sum(0)
+        + echo * N_DEV * mus[k][warm:].sum(0)
         for k in SHAPES
     }
     residuals = {k: np.asarray(r, np.float64).sum(0) for k, r in s.compress.residuals.items()}
-    got = {k: N_DEV * after[k][warm:].sum(0) + residuals[k] for k in SHAPES}
+    took = {k: after[k][warm:] - (B1 - echo) * mus[k][warm:] for k in SHAPES}
+    got = {k: N_DEV * took[k].sum(0) + residuals[k] for k in SHAPES}
 
     def norm(tree):
         return sum(float(np.sum(tree[k] ** 2)) for k in SHAPES) ** 0.5
@@ -158,23 +193,97 @@ def test_momentum_error_feedback_conserves():
     assert norm(residuals) > 1e-3 * norm(sent) / steps
 
 
-def test_resume_across_the_freeze_boundary_is_bit_identical():
-    """Stopping before the freeze, saving the state to host memory (what a
-    checkpoint holds) and going on gives the uninterrupted run's updates."""
+def test_orbax_resume_across_the_freeze_boundary_is_bit_identical(tmp_path):
+    """Stopping before the freeze, saving the state with orbax, restoring it
+    (per-device parts sharded again) and going on past the freeze gives the
+    uninterrupted run's updates and state bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
     mesh, warm = mesh_of(N_DEV), 3
     tx = jc.optax.onebit_adam(LR, AXIS, "qsgd:bits=4", warmup_steps=warm, weight_decay=1e-4)
-    _, whole, _ = run(mesh, tx, 8)
+    whole_state, whole, _ = run(mesh, tx, 8)
     state, first, _ = run(mesh, tx, 2)
-    host = jax.tree.map(np.asarray, state)
-    specs = jc.optax.state_specs(state, AXIS)
-    restored = jax.tree.map(
-        lambda a, sp: jax.device_put(a, jax.NamedSharding(mesh, sp)), host, specs
-    )
-    _, rest, _ = run(mesh, tx, 6, state=restored, t0=2)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", state)
+    ckpt.wait_until_finished()
+    restored = ckpt.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, state))
+    assert _adam_state(restored).compress.residuals["a"].sharding.spec == P(AXIS)
+    rest_state, rest, _ = run(mesh, tx, 6, state=restored, t0=2)
     for k in SHAPES:
         np.testing.assert_array_equal(
             np.concatenate([np.asarray(first[k]), np.asarray(rest[k])]), np.asarray(whole[k])
         )
+    for x, y in zip(jax.tree.leaves(rest_state), jax.tree.leaves(whole_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_pmap_gives_the_shard_map_updates():
+    """The same transformation under jax.pmap (state from jax.pmap(tx.init))
+    gives shard_map's updates, up to the last bits: the two programs are
+    fused differently, and XLA's multiply-add contraction differs."""
+    mesh, warm, steps = mesh_of(N_DEV), 2, 5
+    tx = jc.optax.onebit_adam(LR, AXIS, "onebit", warmup_steps=warm)
+    _, want, _ = run(mesh, tx, steps)
+    state = jax.pmap(tx.init, axis_name=AXIS)(
+        jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params0())
+    )
+
+    def step(state, t):
+        u, state = tx.update(grads_at(t, lax.axis_index(AXIS)), state, params0())
+        return state, u
+
+    f = jax.pmap(step, axis_name=AXIS, in_axes=(0, None))
+    for t in range(steps):
+        state, u = f(state, t)
+        for k in SHAPES:
+            got = np.asarray(u[k])
+            np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))  # replicated
+            np.testing.assert_allclose(got[0], np.asarray(want[k][t]), rtol=1e-5, atol=1e-6 * LR)
+    assert int(jc.optax.telemetry(state)["step"][0]) == steps
+
+
+def test_the_freeze_rule_freezes_where_the_variance_settles():
+    """With freeze_tolerance the variance freezes at the first check (every
+    freeze_interval steps) where the sum of the bias-corrected variance
+    moved by less than the tolerance since the previous check, computed here
+    in numpy from the mean gradients; from then on the update is Adam's with
+    the variance frozen there (exact codec)."""
+    mesh, tol, every, steps = mesh_of(N_DEV), 0.1, 2, 24
+    tx = jc.optax.onebit_adam(
+        LR,
+        AXIS,
+        jc.codecs.Identity(),
+        warmup_steps=1000,
+        freeze_tolerance=tol,
+        freeze_interval=every,
+    )
+    state, got, _ = run(mesh, tx, steps, grads=decaying_grads_at)
+    means = [mean_grads(t, decaying_grads_at) for t in range(steps)]
+    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    sums, want_freeze = {}, None
+    for t in range(steps):
+        g = means[t]
+        for k in SHAPES:
+            nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
+        if (t + 1) % every == 0:
+            sums[t + 1] = sum(v.sum() for v in nu.values()) / (1 - B2 ** (t + 1))
+            prev = sums.get(t + 1 - every)
+            if prev is not None and abs(sums[t + 1] / prev - 1) < tol:
+                want_freeze = t + 1
+                break
+    assert want_freeze is not None and 2 * every < want_freeze < steps - 4
+    assert int(_adam_state(state).frozen_at) == want_freeze
+    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t in range(steps):
+        g = means[t]
+        for k in SHAPES:
+            mu[k] = B1 * mu[k] + (1 - B1) * g[k]
+            if t < want_freeze:
+                nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
+            mu_hat = mu[k] / (1 - B1 ** (t + 1))
+            nu_hat = nu[k] / (1 - B2 ** min(t + 1, want_freeze))
+            want = -LR * mu_hat / (np.sqrt(nu_hat) + EPS)
+            np.testing.assert_allclose(np.asarray(got[k][t]), want, rtol=2e-5, atol=1e-7)
 
 
 def test_state_layout_and_telemetry():
@@ -193,6 +302,41 @@ def test_state_layout_and_telemetry():
     assert float(tel["compression_ratio"]) > 2  # OneBit after the warm-up (small leaves exact)
 
 
-def test_warmup_steps_must_be_positive():
-    with pytest.raises(ValueError, match="warmup_steps"):
-        jc.optax.onebit_adam(LR, AXIS, warmup_steps=0)
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"warmup_steps": 0}, "warmup_steps"),
+        ({"warmup_steps": 5, "send": "gradients"}, "send"),
+        ({"warmup_steps": 5, "freeze_tolerance": 1.5}, "freeze_tolerance"),
+        ({"warmup_steps": 5, "freeze_interval": 0}, "freeze_interval"),
+    ],
+)
+def test_bad_configuration(kw, match):
+    with pytest.raises(ValueError, match=match):
+        jc.optax.onebit_adam(LR, AXIS, **kw)
+
+
+def test_a_coarse_codec_before_adam_warns_once():
+    """jc.optax.init warns (once per codec and optimizer) when a codec of
+    fewer than 4 bits per element is chained before an optimizer that
+    divides by a second moment, and points at onebit_adam; not for a finer
+    codec, for SGD after it, or for onebit_adam itself."""
+    mesh = mesh_of(N_DEV)
+
+    def init(codec, opt):
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            jc.optax.init(
+                optax.chain(jc.optax.compress_gradients(codec, AXIS), opt), params0(), mesh, AXIS
+            )
+        return [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+
+    (msg,) = init("signsgd:bucket_size=128", optax.adamw(LR))
+    assert "onebit_adam" in msg and "signsgd" in msg and "ScaleByAdamState" in msg
+    assert init("signsgd:bucket_size=128", optax.adamw(LR)) == []  # once
+    assert len(init("topk:fraction=0.05", optax.lamb(LR))) == 1
+    assert init("topk:fraction=0.05", optax.sgd(LR, momentum=0.9)) == []
+    assert init("qsgd:bits=4", optax.adam(LR)) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jc.optax.init(jc.optax.onebit_adam(LR, AXIS, warmup_steps=2), params0(), mesh, AXIS)

@@ -2,7 +2,8 @@
 collectives) gives the same bytes as the same computation in one process,
 value, sent and the new server residual alike (for linear codecs, whose
 payloads are summed by the backend's all-reduce, the same sum up to its
-order)."""
+order); and jc.optax.onebit_adam's updates across the freeze are the
+same on every process and equal to one process's up to that order."""
 
 import os
 import pathlib
@@ -85,3 +86,9 @@ def test_psum_across_processes_matches_one_process(tmp_path, num):
                 np.testing.assert_array_equal(
                     got[f"value{c}"], np.asarray(value)[i : i + 1], err_msg=what
                 )
+    # onebit_adam: the same updates on every process; one process's up to
+    # the order of the warm-up's exact all-reduce (gloo's ring here)
+    want = np.asarray(_mp_worker.adam_updates(mesh, x))
+    for i, got in enumerate(results):
+        np.testing.assert_array_equal(got["adam"], results[0]["adam"], err_msg=f"process {i}")
+        np.testing.assert_allclose(got["adam"][0], want[i], rtol=1e-3, atol=1e-8)

@@ -33,10 +33,17 @@ def main(argv: list[str] | None = None) -> dict:
         choices=("adamw", "onebit_adam"),
         help="adamw after compress_gradients (default), or jc.optax.onebit_adam",
     )
-    ap.add_argument("--freeze-steps", type=int, help="onebit_adam's warm-up (default: steps / 5)")
+    ap.add_argument(
+        "--freeze-steps", type=int, help="onebit_adam's warm-up (default: 30%% of the steps)"
+    )
+    ap.add_argument(
+        "--send",
+        choices=("auto", "momentum", "gradient"),
+        help="what onebit_adam sends after its warm-up (default: auto)",
+    )
     args = ap.parse_args(argv)
     config = common.config_from_flags(args, default="examples/lm/configs/default.py")
-    extra = {"optimizer": args.optimizer, "freeze_steps": args.freeze_steps}
+    extra = {"optimizer": args.optimizer, "freeze_steps": args.freeze_steps, "send": args.send}
     config = dataclasses.replace(config, **{k: v for k, v in extra.items() if v is not None})
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(

@@ -35,7 +35,9 @@ class Config:
     codec: str = "float32"  # a common.parse_codec spec
     error_feedback: bool = True  # only for compressed codecs
     algorithm: str = "auto"  # jc.pmean's algorithm
-    min_compress_size: int = 1024  # smaller leaves (biases, norms) go in float32
+    # compress_gradients: smaller leaves (biases, norms) go in float32;
+    # onebit_adam compresses every leaf's momentum (its default)
+    min_compress_size: int = 1024
     steps: int = 400
     global_batch_size: int = 64  # windows per step, summed over the devices
     context: int = 64  # bytes per window
@@ -47,9 +49,10 @@ class Config:
     weight_decay: float = 1e-4
     # "adamw": compress_gradients, then optax.adamw; "onebit_adam":
     # jc.optax.onebit_adam (Adam's momentum sent compressed after a warm-up
-    # of freeze_steps exact steps; 0: a fifth of the steps).
+    # of freeze_steps exact steps; 0: 30% of the steps, docs/training.md).
     optimizer: str = "adamw"
     freeze_steps: int = 0
+    send: str = "auto"  # onebit_adam's send: "auto", "momentum" or "gradient"
     eval_windows: int = 256  # held-out windows evaluated (fixed, non-overlapping)
     log_every: int = 100
     seed: int = 0
@@ -155,10 +158,10 @@ class Trainer:
                 schedule,
                 common.AXIS,
                 self.spec.build(),
-                warmup_steps=c.freeze_steps or max(1, c.steps // 5),
+                warmup_steps=c.freeze_steps or max(1, 3 * c.steps // 10),
                 weight_decay=c.weight_decay,
                 algorithm=c.algorithm,
-                min_compress_size=c.min_compress_size,
+                send=c.send,
                 seed=seed,
             )
         if c.optimizer != "adamw":

@@ -22,10 +22,17 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from jaxcomp.optax._plan import Policy
+from jaxcomp.codecs.base import Rate, as_codec
+from jaxcomp.optax._plan import Policy, is_codec_like, leaf_codecs
 from jaxcomp.optax._transform import CompressState, compress_gradients
 
 _WHO = "jc.optax.onebit_adam"
+# Seide's 1-bit codec with one (avg+, avg-) pair per 256 values: 1.25 bits
+# per element, 1/25.6 of float32 (DeepSpeed's 1-bit Adam keeps one scale
+# per worker chunk). Its held-out loss on the LM example is that of 64-value
+# buckets (2 bits) within the seeds' spread (docs/training.md).
+DEFAULT_CODEC = "onebit:bucket_size=256"
+SEND_MODES = ("auto", "momentum", "gradient")
 
 
 class OneBitAdamState(NamedTuple):
@@ -39,18 +46,37 @@ class OneBitAdamState(NamedTuple):
       compress: the ``compress_gradients`` state that sends the momentum:
         its per-device residuals (error feedback of the momentum) and
         server residuals, its step count (the optimizer's) and telemetry.
+      frozen_at: int32[]: the step at which the freeze rule
+        (``freeze_tolerance``) froze the variance, or ``NOT_FROZEN`` while it
+        has not (the warm-up then ends at ``warmup_steps``).
+      variance_norm: float32[]: the sum of the bias-corrected variance at
+        the freeze rule's last check (0 before the first, or without the rule).
     """
 
     mu: Any
     nu: Any
     compress: CompressState
+    frozen_at: jax.Array
+    variance_norm: jax.Array
+
+
+NOT_FROZEN = np.iinfo(np.int32).max
+
+
+def freeze_step(state: OneBitAdamState, warmup_steps) -> jax.Array:
+    """int32[]: the step from which the variance is frozen: ``warmup_steps``,
+    or the earlier step at which the freeze rule fired."""
+    return jnp.minimum(state.frozen_at, jnp.asarray(warmup_steps, jnp.int32))
 
 
 def scale_by_onebit_adam(
     axis_name: str | tuple[str, str],
-    codec: Policy = "onebit",
+    codec: Policy = DEFAULT_CODEC,
     *,
     warmup_steps: int | jax.Array,
+    freeze_tolerance: float | None = None,
+    freeze_interval: int | None = None,
+    send: str = "auto",
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -73,19 +99,43 @@ def scale_by_onebit_adam(
     the next step. The update is ``mu_hat / (sqrt(nu_hat + eps_root) + eps)``
     with Adam's bias corrections.
 
+    With ``freeze_tolerance``, the warm-up may end earlier: every
+    ``freeze_interval`` steps the sum of the bias-corrected variance is
+    compared with its value at the previous check, and the variance freezes
+    at the first check where it changed by less than ``freeze_tolerance``
+    (relative), the paper's observation (section 3) that the variance
+    stabilizes made a rule. ``warmup_steps`` is then the longest warm-up.
+
     A step whose mean is not finite leaves the state as it was (as
     ``compress_gradients`` does) and returns the non-finite update.
 
     Args:
       axis_name: the data-parallel mesh / pmap axis (or ``(slow, fast)``).
-      codec: the momentum's codec (default OneBit, as the paper), a policy
+      codec: the momentum's codec (default OneBit with 256-value buckets,
+        1.25 bits per element, as the paper's 1-bit compression), a policy
         as ``compress_gradients`` takes.
       warmup_steps: steps of plain Adam before the variance is frozen (the
         paper uses 15-25% of training for BERT; at least 1). May be a traced
         int (``optax.inject_hyperparams``).
+      freeze_tolerance: None (freeze at ``warmup_steps``) or the relative
+        change of the variance's sum over ``freeze_interval`` steps below
+        which it freezes earlier.
+      freeze_interval: steps between two checks of the freeze rule; None: 10.
+      send: what each device sends after the warm-up: ``"momentum"``, its
+        momentum ``(1 - b1) grad + b1 mu`` (the paper's Algorithm 1);
+        ``"gradient"``, only its new part ``(1 - b1) grad``, every device
+        adding ``b1 mu`` itself (the same for an exact codec; a sparse or
+        zero-run codec then spends no bytes on the part every device
+        knows); ``"auto"``: ``"gradient"`` for sparse and variable-rate
+        codecs (top-k, 3LC), ``"momentum"`` for the others (measured on
+        the LM example, docs/training.md).
       b1, b2, eps, eps_root: as ``optax.scale_by_adam``.
-      algorithm, server_error_feedback, fusion_bytes, min_compress_size,
-        seed: as ``compress_gradients`` (error feedback is always on).
+      algorithm, server_error_feedback, fusion_bytes, seed: as
+        ``compress_gradients`` (error feedback is always on).
+      min_compress_size: as ``compress_gradients``, but None means 0: every
+        leaf's momentum is compressed, as DeepSpeed's 1-bit Adam compresses
+        the whole flattened buffer (small leaves are fused with others, so
+        they cost no collective of their own).
     Returns:
       An ``optax.GradientTransformation`` whose state is a
       :class:`OneBitAdamState`; place it first in the chain, in place of
@@ -97,23 +147,54 @@ def scale_by_onebit_adam(
                 f"{_WHO}: warmup_steps must be at least 1 (the variance is frozen at the end "
                 f"of the warm-up, and Adam's variance starts at 0), got {warmup_steps}"
             )
-    inner = compress_gradients(
-        codec,
-        axis_name,
-        error_feedback=True,
-        server_error_feedback=server_error_feedback,
-        algorithm=algorithm,
-        fusion_bytes=fusion_bytes,
-        min_compress_size=min_compress_size,
-        warmup_steps=warmup_steps,
-        seed=seed,
-    )
+    # Python numbers are checked here; under optax.inject_hyperparams they
+    # arrive traced, and are used as they are.
+    if isinstance(freeze_tolerance, (int, float)) and not 0 < freeze_tolerance < 1:
+        raise ValueError(
+            f"{_WHO}: freeze_tolerance must be None or in (0, 1), got {freeze_tolerance!r}"
+        )
+    if freeze_interval is None:
+        freeze_interval = 10
+    elif isinstance(freeze_interval, (int, np.integer)) and freeze_interval < 1:
+        raise ValueError(f"{_WHO}: freeze_interval must be >= 1, got {freeze_interval}")
+    if min_compress_size is None:
+        min_compress_size = 0
+
+    def inner(warmup) -> optax.GradientTransformation:
+        """The compressed all-reduce of the momentum, exact for ``warmup`` steps."""
+        return compress_gradients(
+            codec,
+            axis_name,
+            error_feedback=True,
+            server_error_feedback=server_error_feedback,
+            algorithm=algorithm,
+            fusion_bytes=fusion_bytes,
+            min_compress_size=min_compress_size,
+            warmup_steps=warmup,
+            seed=seed,
+        )
+
+    inner(warmup_steps)  # its checks, at construction
+    if send not in SEND_MODES:
+        raise ValueError(f"{_WHO}: send must be one of {SEND_MODES}, got {send!r}")
+    policy = as_codec(codec, _WHO) if is_codec_like(codec) else codec
+
+    def _sends_momentum(grads) -> list[bool]:
+        """Per leaf: whether it sends its whole momentum after the warm-up."""
+        if send != "auto":
+            return [send == "momentum"] * len(jax.tree.leaves(grads))
+        return [
+            c is None or c.rate not in (Rate.SPARSE, Rate.VARIABLE)
+            for c in leaf_codecs(policy, grads)
+        ]
 
     def init_fn(params) -> OneBitAdamState:
         return OneBitAdamState(
             mu=otu.tree_zeros_like(params),
             nu=otu.tree_zeros_like(params),
-            compress=inner.init(params),
+            compress=inner(warmup_steps).init(params),
+            frozen_at=jnp.asarray(NOT_FROZEN, jnp.int32),
+            variance_norm=jnp.zeros((), jnp.float32),
         )
 
     def update_fn(grads, state: OneBitAdamState, params=None):
@@ -121,15 +202,28 @@ def scale_by_onebit_adam(
         if not isinstance(state, OneBitAdamState):
             raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a OneBitAdamState")
         count = state.compress.step
-        in_warmup = count < warmup_steps
-        # What each device sends: its gradient during the warm-up, its
-        # momentum after it.
-        local = jax.tree.map(
-            lambda g, m: jnp.where(in_warmup, g, ((1 - b1) * g + b1 * m).astype(g.dtype)),
-            grads,
-            state.mu,
+        freeze = freeze_step(state, warmup_steps)
+        in_warmup = count < freeze
+        # What each device sends: its gradient during the warm-up; after
+        # it, its momentum, or only the momentum's new part (1 - b1) g.
+        full = _sends_momentum(grads)
+        g_leaves, treedef = jax.tree.flatten(grads)
+        m_leaves = treedef.flatten_up_to(state.mu)
+        local = treedef.unflatten(
+            [
+                jnp.where(in_warmup, g, ((1 - b1) * g + (b1 * m if f else 0)).astype(g.dtype))
+                for g, m, f in zip(g_leaves, m_leaves, full, strict=True)
+            ]
         )
-        mean, compress = inner.update(local, state.compress)
+        mean, compress = inner(freeze).update(local, state.compress)
+        # The common momentum after the warm-up: the mean, plus b1 mu where
+        # only the new part was sent.
+        frozen_mu = treedef.unflatten(
+            [
+                a if f else a + b1 * m
+                for a, m, f in zip(treedef.flatten_up_to(mean), m_leaves, full, strict=True)
+            ]
+        )
         ok = compress.step > count  # the mean was finite: the inner state moved on
         adam_mu = otu.tree_update_moment(mean, state.mu, b1, 1)
         adam_nu = otu.tree_update_moment_per_elem_norm(mean, state.nu, b2, 2)
@@ -137,15 +231,31 @@ def scale_by_onebit_adam(
         def pick(warm, frozen, old):
             return jnp.where(ok, jnp.where(in_warmup, warm, frozen), old)
 
-        mu = jax.tree.map(lambda w, m, o: pick(w, m.astype(o.dtype), o), adam_mu, mean, state.mu)
+        mu = jax.tree.map(
+            lambda w, m, o: pick(w, m.astype(o.dtype), o), adam_mu, frozen_mu, state.mu
+        )
         nu = jax.tree.map(lambda w, o: pick(w, o, o), adam_nu, state.nu)
         t = count + 1
         mu_hat = otu.tree_bias_correction(mu, b1, t)
-        nu_hat = otu.tree_bias_correction(nu, b2, jnp.minimum(t, warmup_steps))
+        nu_hat = otu.tree_bias_correction(nu, b2, jnp.minimum(t, freeze))
         updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
         # A non-finite mean reaches the update, so the training code sees it.
         updates = jax.tree.map(lambda u, a: jnp.where(ok, u, a.astype(u.dtype)), updates, mean)
-        return updates, OneBitAdamState(mu=mu, nu=nu, compress=compress)
+        frozen_at, norm = state.frozen_at, state.variance_norm
+        if freeze_tolerance is not None:
+            frozen_at, norm = _freeze_rule(state, nu_hat, t, in_warmup & ok)
+        return updates, OneBitAdamState(
+            mu=mu, nu=nu, compress=compress, frozen_at=frozen_at, variance_norm=norm
+        )
+
+    def _freeze_rule(state, nu_hat, t, warming):
+        """(frozen_at, variance_norm) after the check of step ``t`` (if any)."""
+        check = warming & (t % freeze_interval == 0)
+        total = sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(nu_hat))
+        prev = state.variance_norm
+        stable = (prev > 0) & (jnp.abs(total - prev) < freeze_tolerance * prev)
+        frozen_at = jnp.where(check & stable, t, state.frozen_at).astype(jnp.int32)
+        return frozen_at, jnp.where(check, total, prev)
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -153,9 +263,12 @@ def scale_by_onebit_adam(
 def onebit_adam(
     learning_rate: optax.ScalarOrSchedule,
     axis_name: str | tuple[str, str],
-    codec: Policy = "onebit",
+    codec: Policy = DEFAULT_CODEC,
     *,
     warmup_steps: int | jax.Array,
+    freeze_tolerance: float | None = None,
+    freeze_interval: int | None = None,
+    send: str = "auto",
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -178,12 +291,14 @@ def onebit_adam(
 
     Args:
       learning_rate: a float or an optax schedule.
-      axis_name, codec, warmup_steps, b1, b2, eps, eps_root: see
+      axis_name, codec, warmup_steps, freeze_tolerance, freeze_interval,
+        send, b1, b2, eps, eps_root, min_compress_size: see
         :func:`scale_by_onebit_adam`.
       weight_decay, mask: decoupled weight decay, as ``optax.adamw``.
-      algorithm, server_error_feedback, fusion_bytes, min_compress_size,
-        seed: as ``compress_gradients``. Under ``optax.inject_hyperparams``
-        give ``server_error_feedback`` and ``seed`` in ``static_args`` if
+      algorithm, server_error_feedback, fusion_bytes, seed: as
+        ``compress_gradients``. Under ``optax.inject_hyperparams`` give
+        ``server_error_feedback``, ``seed``, ``min_compress_size``,
+        ``freeze_tolerance`` and ``freeze_interval`` in ``static_args`` if
         you change them.
     Returns:
       An ``optax.GradientTransformation``.
@@ -193,6 +308,9 @@ def onebit_adam(
             axis_name,
             codec,
             warmup_steps=warmup_steps,
+            freeze_tolerance=freeze_tolerance,
+            freeze_interval=freeze_interval,
+            send=send,
             b1=b1,
             b2=b2,
             eps=eps,

@@ -131,7 +131,7 @@ def is_codec_like(x) -> bool:
     return isinstance(x, (Codec, str)) or (isinstance(x, type) and issubclass(x, Codec))
 
 
-def _leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
+def leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
     """The codec (or None) of every leaf of ``tree``, in flatten order."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
     if is_codec_like(policy):  # one codec, a codec class or a spec string for every leaf
@@ -226,7 +226,7 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
         an integer gradient; a codec for a dtype it cannot carry.
     """
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    codecs = _leaf_codecs(policy, tree)
+    codecs = leaf_codecs(policy, tree)
     paths = tuple(jax.tree_util.keystr(path) for path, _ in leaves_with_path)
     shapes = tuple(tuple(int(d) for d in leaf.shape) for _, leaf in leaves_with_path)
     dtypes = tuple(np.dtype(leaf.dtype) for _, leaf in leaves_with_path)

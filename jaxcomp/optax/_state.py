@@ -3,6 +3,7 @@ PartitionSpecs for ``jax.shard_map``, and initialization on a mesh."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -10,7 +11,28 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.optax._transform import CompressState
+from jaxcomp.optax._adam import OneBitAdamState
+from jaxcomp.optax._transform import INIT_RECORDS, CompressState
+
+# States of optimizers that divide by a running second moment of what they
+# are given (Adam and its family, RMSProp, Adagrad, Adafactor).
+_SECOND_MOMENT_STATES = tuple(
+    t
+    for t in (
+        getattr(optax, n, None)
+        for n in (
+            "ScaleByAdamState",
+            "ScaleByAmsgradState",
+            "ScaleByBeliefState",
+            "ScaleByRmsState",
+            "ScaleByRStdDevState",
+            "ScaleByRssState",
+            "FactoredState",
+        )
+    )
+    if t is not None
+)
+_WARNED_ADAM: set = set()
 
 
 def _is_compress(x) -> bool:
@@ -137,7 +159,14 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
     Returns:
       The optimizer state, global arrays on ``mesh``.
     """
-    specs = _specs(jax.eval_shape(tx.init, params), axis_name)  # a chain without one: replicated
+    records: list = []
+    token = INIT_RECORDS.set(records)
+    try:
+        shapes = jax.eval_shape(tx.init, params)
+    finally:
+        INIT_RECORDS.reset(token)
+    _warn_coarse_before_adam(shapes, records)
+    specs = _specs(shapes, axis_name)  # a chain without one: replicated
     f = jax.shard_map(
         tx.init,
         mesh=mesh,
@@ -146,3 +175,40 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
         check_vma=False,
     )
     return jax.jit(f)(params)
+
+
+def _warn_coarse_before_adam(opt_state, records: list) -> None:
+    """Warns once when a compress_gradients that sends fewer than
+    ADAM_COARSE_BITS bits per element comes before an optimizer that
+    divides by a second moment (``records``: what each compress_gradients
+    init reported, in chain order)."""
+
+    def is_node(x):
+        return isinstance(x, (CompressState, OneBitAdamState, *_SECOND_MOMENT_STATES))
+
+    coarse: tuple = ()
+    pending = iter(records)
+    for x in jax.tree.leaves(opt_state, is_leaf=is_node):
+        if isinstance(x, OneBitAdamState):
+            next(pending, None)  # its own compress state sends the momentum
+        elif isinstance(x, CompressState):
+            coarse = coarse + tuple(next(pending, ()) or ())
+        elif isinstance(x, _SECOND_MOMENT_STATES) and coarse:
+            key = (coarse, type(x).__name__)
+            if key in _WARNED_ADAM:
+                continue
+            _WARNED_ADAM.add(key)
+            names = ", ".join(str(c) for c in coarse)
+            warnings.warn(
+                f"jc.optax.init: compress_gradients with {names} (fewer than 4 bits per "
+                f"element) comes before an optimizer with a second moment ({type(x).__name__}: "
+                "Adam, AdamW, LAMB, RMSProp, Adagrad, Adafactor). That optimizer divides by a "
+                "variance that sees the compression noise, and error feedback cannot undo it: "
+                "such codecs train Adam far worse than float32 (docs/training.md, 'Adam and "
+                "compression'; a warm-up of exact steps does not help once it ends). Use "
+                "jc.optax.onebit_adam(learning_rate, axis_name, codec, ...), which sends "
+                "Adam's momentum compressed after freezing its variance, or a codec of 4 bits "
+                "or more (qsgd:bits=4, int8, cast:dtype=bfloat16).",
+                RuntimeWarning,
+                stacklevel=3,
+            )

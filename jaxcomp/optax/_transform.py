@@ -5,6 +5,7 @@ gradients."""
 
 from __future__ import annotations
 
+import contextvars
 import warnings
 from typing import Any, NamedTuple
 
@@ -62,6 +63,29 @@ class CompressState(NamedTuple):
     residuals: Any
     server_residuals: tuple
     telemetry: Telemetry
+
+
+# Codecs below this many wire bits per element train Adam-family optimizers
+# placed after compress_gradients far worse than float32 (Adam divides by a
+# second moment that sees the compression noise): measured on the LM example
+# in docs/training.md, "Adam and compression" (OneBit, SignSGD, TernGrad,
+# 3LC, top-k and QSGD-2 lose; QSGD-4, Int8, Natural and the casts do not).
+ADAM_COARSE_BITS = 4.0
+# Set by jc.optax.init while it traces tx.init: every compress_gradients of
+# the chain appends the codecs it compresses with below ADAM_COARSE_BITS, in
+# chain order, so that init can tell whether an Adam-family state follows.
+INIT_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomp_init_records", default=None
+)
+
+
+def coarse_for_adam(plan: Plan) -> tuple:
+    """The plan's codecs that send fewer than ADAM_COARSE_BITS bits per element."""
+    return tuple(
+        dict.fromkeys(
+            b.codec for b in plan.buckets if b.codec.bits_per_element() < ADAM_COARSE_BITS
+        )
+    )
 
 
 def _axis_names(axis_name) -> tuple:
@@ -377,6 +401,9 @@ def compress_gradients(
 
     def init_fn(params) -> CompressState:
         plan = plan_for(gradient_shapes(params))
+        records = INIT_RECORDS.get()
+        if records is not None:
+            records.append(coarse_for_adam(plan))
         zero = jnp.zeros((), jnp.float32)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
