@@ -600,10 +600,11 @@ def test_without_state_the_result_is_unchanged(mesh):
 
 
 def test_auto_follows_the_codecs_recompression():
-    """auto: allgather for TernGrad (unsafe) at any size, for coarse codecs
-    up to 8 devices, two-phase for the rest."""
+    """auto: allgather for TernGrad and 2-bit QSGD (unsafe) at any size, for
+    coarse codecs up to 8 devices, two-phase for the rest."""
     choose = jcc.choose_algorithm
     assert choose(jc.codecs.TernGrad(), 4096, 64) == "allgather"
+    assert choose(jc.codecs.QSGD(bits=2, bucket_size=128), 4096, 64) == "allgather"
     for codec in (jc.codecs.OneBit(), jc.codecs.SignSGD(), jc.codecs.ThreeLC(sparsity=1.5)):
         assert choose(codec, 4096, 8) == "allgather", codec
         assert choose(codec, 4096, 16) == "two_phase", codec
