@@ -96,12 +96,19 @@ ROWS = [
     Row("3LC (s=1.00), old two-phase", "threelc:sparsity=1.0", True, "two_phase", False),
     Row("3LC (s=1.50), old two-phase", "threelc:sparsity=1.5", True, "two_phase", False),
     Row("QSGD-4, old two-phase", "qsgd:bits=4", True, "two_phase", False),
+    # PowerSGD (jc.optax.powersgd): low rank, all-reduced factors, warm start.
+    Row("PowerSGD (rank 4)", "powersgd:rank=4"),
+    Row("PowerSGD (rank 2)", "powersgd:rank=2"),
+    Row("PowerSGD (rank 1)", "powersgd:rank=1"),
+    Row("PowerSGD (rank 4), no warm start", "powersgd:rank=4,warm_start=false"),
+    Row("PowerSGD (rank 1), no warm start", "powersgd:rank=1,warm_start=false"),
+    Row("PowerSGD (rank 4), no EF", "powersgd:rank=4", False),
 ]
 
 # Parity targets: accuracy at most ACC_TARGET pp below float32 and held-out
 # loss at most LOSS_TARGET % above it (mean paired differences), the accuracy
 # difference's standard error at most SE_TARGET pp.
-PARITY = ("Int8", "QSGD-4", "OneBit", "3LC (s=1.00)", "TopK (1%)")
+PARITY = ("Int8", "QSGD-4", "OneBit", "3LC (s=1.00)", "TopK (1%)", "PowerSGD (rank 4)")
 ACC_TARGET, LOSS_TARGET, SE_TARGET = 0.5, 2.0, 0.15
 # Indistinguishable from float32: |mean difference| <= 2 standard errors,
 # for the accuracy and for the loss.
@@ -120,6 +127,8 @@ LM_ROWS = [
 def unavailable(row: Row) -> str | None:
     """Why ``row`` cannot run with this jaxcomp, or None."""
     name = row.codec.partition(":")[0]
+    if name == "powersgd":
+        return None if hasattr(jc.optax, "powersgd") else "jc.optax.powersgd not available"
     if name != "float32" and name not in jc.codecs.names():
         return "codec not available in this build"
     return None
@@ -142,6 +151,8 @@ def resolved_algorithm(row: Row, config) -> str:
     bucket of the kernels here), or the algorithm the row names."""
     if row.codec == "float32":
         return "pmean"
+    if row.codec.startswith("powersgd"):
+        return "low-rank pmean"
     if row.algorithm != "auto":
         return row.algorithm
     codec = teacher_train.common.parse_codec(row.codec).build()

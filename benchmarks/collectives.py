@@ -18,7 +18,9 @@ delay).
 N/4 values (2048 x 2048 at the default N): `lax.pmean` + sgd, and per codec
 the bare `jc.pmean(grad).value` of every leaf + sgd beside the full
 `optax.chain(jc.optax.compress_gradients(codec), optax.sgd)` update with its
-error feedback, the state carried from step to step.
+error feedback, and `optax.chain(jc.optax.powersgd(rank=4), optax.sgd)`, the
+state carried from step to step. `--step-codecs` picks some of those rows
+(the docs are then left alone).
 
 Needs root, iproute2 (ip, tc) and the tbf qdisc; skips with a message where
 any is missing. Times the installed jaxcomp (`pip install .`), and refuses to
@@ -63,7 +65,16 @@ CASES = [
 # The codecs of the optimizer-step rows (--steps), each with the defaults and
 # the algorithm `auto` picks, as users run them; "spec@algorithm" names
 # another algorithm (the ring for the bf16 cast: see benchmarks/links.py).
-STEP_CODECS = ["qsgd:bits=4", "onebit", "topk:fraction=0.01", "bf16", "bf16@ring"]
+# "powersgd:rank=R" is jc.optax.powersgd (no bare row: its all-reduces are
+# plain lax.pmean of the factors).
+STEP_CODECS = [
+    "qsgd:bits=4",
+    "onebit",
+    "topk:fraction=0.01",
+    "bf16",
+    "bf16@ring",
+    "powersgd:rank=4",
+]
 STEP_BEGIN, STEP_END = "<!-- optax-step-links:begin -->", "<!-- optax-step-links:end -->"
 RATES = {"1gbit": ("256kb", "5ms", 1e9), "100mbit": ("32kb", "20ms", 1e8)}
 
@@ -325,7 +336,15 @@ def step_rows(args, mesh, local, timed_steps) -> dict[str, list[float]]:
         return sgd.update(jax.lax.pmean(g, "data"), s, p)
 
     rows = {"step|pmean": timed_steps(step(plain, P()), params, sgd.init(params), grads)}
-    for spec in STEP_CODECS:
+    for spec in args.step_codecs:
+        if spec.startswith("powersgd:rank="):
+            tx = optax.chain(jc.optax.powersgd("data", int(spec.split("=")[1])), sgd)
+            state = jc.optax.init(tx, params, mesh, "data")
+            specs = jc.optax.state_specs(state, "data")
+            rows[f"step|{spec}|full"] = timed_steps(
+                step(lambda p, s, g, tx=tx: tx.update(g, s, p), specs), params, state, grads
+            )
+            continue
         name, _, alg = spec.partition("@")
         codec, alg = jc.codecs.get(name), alg or "auto"
 
@@ -379,7 +398,7 @@ def launch(
         if args.twins:
             cmd.append("--twins")
         if args.steps:
-            cmd.append("--steps")
+            cmd += ["--steps", "--step-codecs", *args.step_codecs]
         # The installed jaxcomp, not the checkout: a source tree without an
         # in-tree build has no kernels, and would silently time the twins.
         env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -416,13 +435,17 @@ def predict(kind_bytes: dict[str, int], procs: int, rate_bps: float) -> float:
     return 8 * bytes_out / rate_bps
 
 
-def step_table(procs: int, rate: str, slowest: dict[str, float]) -> list[tuple]:
+def step_table(procs: int, rate: str, slowest: dict[str, float], codecs) -> list[tuple]:
     """Rows (procs, rate, codec, update, seconds, x pmean step, x bare) of
     the optimizer-step measurements of one test bed."""
     base = slowest["step|pmean"]
     rows = [(procs, rate, "float32", "lax.pmean + sgd", base, 1.0, None)]
-    for spec in STEP_CODECS:
-        bare, full = slowest[f"step|{spec}|bare"], slowest[f"step|{spec}|full"]
+    for spec in codecs:
+        full = slowest[f"step|{spec}|full"]
+        if f"step|{spec}|bare" not in slowest:  # PowerSGD
+            rows.append((procs, rate, spec, "jc.optax.powersgd + sgd", full, base / full, None))
+            continue
+        bare = slowest[f"step|{spec}|bare"]
         rows.append((procs, rate, spec, "bare jc.pmean + sgd", bare, base / bare, 1.0))
         rows.append((procs, rate, spec, "compress_gradients + sgd", full, base / full, full / bare))
     return rows
@@ -459,7 +482,7 @@ def write_steps(args: argparse.Namespace, n: int, table: list[tuple]) -> int:
         ],
         STEP_END,
     ]
-    if len(args.rates) > 1:
+    if len(args.rates) > 1 and args.step_codecs == STEP_CODECS:
         write_section("The optimizer step over emulated links", STEP_BEGIN, STEP_END, lines)
     return 0
 
@@ -504,6 +527,12 @@ def main() -> int:
         help="time the optimizer step (plain, bare jc.pmean, full compress_gradients) "
         "instead of the bare all-reduces",
     )
+    ap.add_argument(
+        "--step-codecs",
+        nargs="+",
+        default=STEP_CODECS,
+        help=f"with --steps: the rows to time (default: {' '.join(STEP_CODECS)})",
+    )
     add_worker_args(ap)
     args = ap.parse_args()
     if args.worker:
@@ -542,7 +571,7 @@ def main() -> int:
             shutil.rmtree(tmp, ignore_errors=True)
             slowest = {k: max(statistics.median(t) for t in v) for k, v in res.items()}
             if args.steps:
-                table += step_table(procs, rate, slowest)
+                table += step_table(procs, rate, slowest, args.step_codecs)
                 for row in table[-len(slowest) :]:
                     print(" | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in row))
                 continue

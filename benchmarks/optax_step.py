@@ -5,6 +5,7 @@ then sgd), on N CPU devices of one process.
     python benchmarks/optax_step.py                 # 8 devices, ~4.2M parameters
     python benchmarks/optax_step.py --devices 4 --codecs qsgd:bits=4 onebit
     python benchmarks/optax_step.py --devices 4 --matrices 4 --bare   # 4 x 2048x2048
+    python benchmarks/optax_step.py --devices 4 --matrices 4 --codecs powersgd:rank=4 qsgd:bits=4
 
 Each step takes per-device gradients and the optimizer state and returns the
 new parameters and state (jit + shard_map, state donated), so it times the
@@ -217,6 +218,21 @@ def main() -> int:
     print("|---|---|---|" + ("---|" if args.bare else ""))
     print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + (" |" if args.bare else ""))
     for spec in args.codecs:
+        if spec.startswith("powersgd"):  # "powersgd:rank=R": jc.optax.powersgd, no codec
+            rank = int(spec.partition("rank=")[2] or 4)
+            tx = optax.chain(jc.optax.powersgd(axis, rank), sgd)
+            state = jc.optax.init(tx, params, mesh, axis)
+            t = timed(
+                make_step(
+                    lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)
+                ),
+                state,
+            )
+            print(
+                f"| `{spec}` jc.optax.powersgd + sgd | {t * 1e3:.1f} | {t / base:.2f} |"
+                + (" |" if args.bare else "")
+            )
+            continue
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
             codec,

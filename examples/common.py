@@ -56,10 +56,17 @@ class CodecSpec:
     def uncompressed(self) -> bool:
         return self.name in UNCOMPRESSED
 
+    @property
+    def powersgd(self) -> bool:
+        """``powersgd[:rank=R,warm_start=false,...]``: jc.optax.powersgd, not a codec."""
+        return self.name == "powersgd"
+
     def build(self):
         """The :mod:`jaxcomp.codecs` codec, or None for the float32 baseline."""
         if self.uncompressed:
             return None
+        if self.powersgd:
+            raise ValueError("powersgd is a transformation (jc.optax.powersgd), not a codec")
         import jaxcomp as jc
 
         return jc.codecs.get(self.name, **dict(self.params))
@@ -77,7 +84,8 @@ def parse_codec(spec: str) -> CodecSpec:
     uncompressed baseline; ``bfloat16``/``float16`` are short for
     ``cast:dtype=...``. Values are read as bool (true/false), int, float or
     else string. Examples: ``qsgd:bits=4``, ``qsgd:bits=8,bucket_size=256``,
-    ``onebit``, ``topk:fraction=0.01``, ``threelc:sparsity=1.5``.
+    ``onebit``, ``topk:fraction=0.01``, ``threelc:sparsity=1.5``; and
+    ``powersgd:rank=4`` (``jc.optax.powersgd``, with its keyword arguments).
 
     Raises:
       ValueError: for an empty name, a parameter without ``=``, or (when the
@@ -144,10 +152,17 @@ def gradient_transformation(
     server_error_feedback: bool = True,
 ):
     """The all-reduce stage of the optimizer chain for ``spec``: the float32
-    baseline, or ``jc.optax.compress_gradients`` (docs/training.md)."""
+    baseline, ``jc.optax.powersgd`` (its parameters from the spec; the
+    algorithm and min_compress_size do not apply), or
+    ``jc.optax.compress_gradients`` (docs/training.md)."""
     if spec.uncompressed:
         return pmean_gradients(AXIS)
     import jaxcomp as jc
+
+    if spec.powersgd:
+        return jc.optax.powersgd(
+            AXIS, error_feedback=error_feedback, seed=seed, **dict(spec.params)
+        )
 
     return jc.optax.compress_gradients(
         spec.build(),

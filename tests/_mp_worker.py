@@ -7,7 +7,8 @@ per process), runs jc.psum for every (codec, algorithm) case on the same
 deterministic global input, with a server residual (two-level error
 feedback) where the algorithm has one, and saves this process's rows of
 value, sent and the new server residual; then a few steps of
-jc.optax.onebit_adam across the freeze, saving this process's updates.
+jc.optax.onebit_adam across the freeze and of jc.optax.powersgd, saving
+this process's updates.
 """
 
 import sys
@@ -89,6 +90,33 @@ def adam_updates(mesh, x):
     return jax.jit(f)(x, state)
 
 
+def powersgd_updates(mesh, x):
+    """The updates of three steps of jc.optax.powersgd (rank 2) on device
+    d's gradients ``x[d]`` viewed as a 40 x 25 matrix times (1 + t):
+    [devices, steps, 40, 25], one row per device."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    import jaxcomp as jc
+
+    tx = jc.optax.powersgd("data", 2)
+    params = {"w": np.zeros((40, 25), np.float32)}
+    state = jc.optax.init(tx, params, mesh, "data")
+    specs = jc.optax.state_specs(state, "data")
+
+    def body(x, state):
+        def one(state, t):
+            u, state = tx.update({"w": x[0].reshape(40, 25) * (1.0 + t)}, state, params)
+            return state, u["w"]
+
+        return lax.scan(one, state, jnp.arange(3, dtype=jnp.float32))[1][None]
+
+    f = jax.shard_map(
+        body, mesh=mesh, in_specs=(P("data"), specs), out_specs=P("data"), check_vma=False
+    )
+    return jax.jit(f)(x, state)
+
+
 def main() -> None:
     port, num, pid, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     jax.config.update("jax_platforms", "cpu")
@@ -111,6 +139,9 @@ def main() -> None:
             (mine,) = [np.asarray(s.data) for s in arr.addressable_shards]
             results[f"{what}{i}"] = mine
     (results["adam"],) = [np.asarray(s.data) for s in adam_updates(mesh, x).addressable_shards]
+    (results["powersgd"],) = [
+        np.asarray(s.data) for s in powersgd_updates(mesh, x).addressable_shards
+    ]
     np.savez(out, **results)
     jax.distributed.shutdown()
 

@@ -3,7 +3,8 @@ collectives) gives the same bytes as the same computation in one process,
 value, sent and the new server residual alike (for linear codecs, whose
 payloads are summed by the backend's all-reduce, the same sum up to its
 order); and jc.optax.onebit_adam's updates across the freeze are the
-same on every process and equal to one process's up to that order."""
+same on every process and equal to one process's up to that order, and
+so are jc.optax.powersgd's."""
 
 import os
 import pathlib
@@ -92,3 +93,8 @@ def test_psum_across_processes_matches_one_process(tmp_path, num):
     for i, got in enumerate(results):
         np.testing.assert_array_equal(got["adam"], results[0]["adam"], err_msg=f"process {i}")
         np.testing.assert_allclose(got["adam"][0], want[i], rtol=1e-3, atol=1e-8)
+    # powersgd: its factors' all-reduces likewise
+    want = np.asarray(_mp_worker.powersgd_updates(mesh, x))
+    for i, got in enumerate(results):
+        np.testing.assert_array_equal(got["powersgd"], results[0]["powersgd"], err_msg=str(i))
+        np.testing.assert_allclose(got["powersgd"][0], want[i], rtol=1e-4, atol=1e-5)

@@ -12,6 +12,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.optax._adam import OneBitAdamState
+from jaxcomp.optax._powersgd import PowerSGDState
 from jaxcomp.optax._transform import INIT_RECORDS, CompressState
 
 # States of optimizers that divide by a running second moment of what they
@@ -36,7 +37,7 @@ _WARNED_ADAM: set = set()
 
 
 def _is_compress(x) -> bool:
-    return isinstance(x, CompressState)
+    return isinstance(x, (CompressState, PowerSGDState))
 
 
 def _find(opt_state) -> list[CompressState]:
@@ -99,7 +100,8 @@ def state_specs(opt_state, axis_name) -> Any:
     """
     if not _find(opt_state):
         raise ValueError(
-            "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam) state inside "
+            "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam, powersgd) "
+            "state inside "
             f"this optimizer state (a {type(opt_state).__name__}), so no leaf would be laid out "
             "per device. Pass the optax state itself, as tx.init or jc.optax.init returned it "
             "(a container that wraps its leaves, such as a Flax NNX optimizer's nnx.State, "
@@ -116,6 +118,12 @@ def _specs(opt_state, axis_name) -> Any:
         return _is_compress(x) or isinstance(x, optax.MultiStepsState)
 
     def walk(x):
+        if isinstance(x, PowerSGDState):
+            rep = jax.tree.map(lambda _: P(), x._replace(rest=()))
+            return rep._replace(
+                residuals=jax.tree.map(lambda _: spec, x.residuals),
+                rest=jax.tree.map(walk, x.rest, is_leaf=is_node),
+            )
         if isinstance(x, CompressState):
             rep = jax.tree.map(lambda _: P(), x)
             return rep._replace(

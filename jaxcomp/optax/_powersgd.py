@@ -1,0 +1,387 @@
+"""PowerSGD: low-rank gradient compression by one step of power iteration.
+
+Vogels, Karimireddy and Jaggi, "PowerSGD: Practical Low-Rank Gradient
+Compression for Distributed Optimization" (NeurIPS 2019), Algorithms 1 and
+2. Each matrix-shaped gradient M (n x m; a kernel of higher rank is viewed as
+prod(shape[:-1]) x shape[-1]) is approximated by P Q^T of rank r: with Q from
+the previous step (warm start), P = M Q is averaged over the devices,
+orthogonalized, Q = M^T P is averaged, and every device applies the same
+P Q^T. Both messages are linear in M, so they travel in plain all-reduces
+(one for every matrix's P together, one for every Q), and the approximation
+error of each device, M - P Q^T, is fed back into the next step's M.
+
+It is a transformation of its own rather than a codec: its message is made
+in two rounds with an orthogonalization between them and needs state (Q)
+that a codec's ``encode(x, key)`` cannot carry (docs/training.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomp.collectives import after, uncompressed_send_nbytes
+from jaxcomp.optax._plan import Policy, has_residual
+from jaxcomp.optax._telemetry import Telemetry
+from jaxcomp.optax._transform import (
+    _axis_names,
+    _bound_axis_sizes,
+    _replicated_error,
+    compress_gradients,
+)
+
+_WHO = "jc.optax.powersgd"
+
+
+class PowerSGDState(NamedTuple):
+    """State of :func:`powersgd`.
+
+    Attributes:
+      step: int32[]: updates applied so far (replicated).
+      qs: the warm-start factors, a pytree with the parameters' structure:
+        float32[m, rank] for every leaf PowerSGD compresses (the previous
+        step's all-reduced Q, identical on every device; standard normal at
+        the start, as the paper), ``optax.MaskedNode()`` for the others.
+      residuals: this device's error feedback, with the parameters'
+        structure: float32[1, *leaf.shape] for every compressed leaf (the
+        leading axis is the device's row, as in ``CompressState``),
+        ``optax.MaskedNode()`` for the others.
+      rest: the ``compress_gradients`` state of the leaves PowerSGD does not
+        compress, when ``rest`` names a codec; ``()`` when they are
+        averaged exactly.
+      telemetry: :class:`Telemetry` of the last step (replicated).
+    """
+
+    step: jax.Array
+    qs: Any
+    residuals: Any
+    rest: Any
+    telemetry: Telemetry
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Which leaves are low-rank compressed, as what matrices."""
+
+    treedef: Any
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[np.dtype, ...]
+    matrices: dict[int, tuple[int, int, int]]  # leaf -> (n, m, rank)
+    rest: tuple[int, ...]  # floating leaves sent otherwise
+    passthrough: tuple[int, ...]  # float0 gradients of integer parameters
+
+    @property
+    def num_elements(self) -> int:
+        return sum(math.prod(s) for s in self.shapes)
+
+
+def _make_plan(tree, rank: int, min_compression_rate: float) -> _Plan:
+    leaves, treedef = jax.tree.flatten(tree)
+    shapes = tuple(tuple(int(d) for d in a.shape) for a in leaves)
+    dtypes = tuple(np.dtype(a.dtype) for a in leaves)
+    matrices, rest, passthrough = {}, [], []
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=True)):
+        if dtype == jax.dtypes.float0 or not jnp.issubdtype(dtype, jnp.inexact):
+            passthrough.append(i)
+            continue
+        if has_residual(dtype) and len(shape) >= 2:
+            n, m = math.prod(shape[:-1]), shape[-1]
+            r = min(rank, n, m)
+            if n * m >= min_compression_rate * (n + m) * r:
+                matrices[i] = (n, m, r)
+                continue
+        rest.append(i)
+    return _Plan(treedef, shapes, dtypes, matrices, tuple(rest), tuple(passthrough))
+
+
+def orthogonalize(p: jax.Array) -> jax.Array:
+    """The columns of ``p`` [n, r], orthonormalized in order (Gram-Schmidt,
+    twice per column for float32 accuracy); a column with nothing left
+    after removing the previous ones (a zero or rank-deficient P) becomes 0,
+    so P P^T stays a projection."""
+    cols = []
+    tiny = jnp.finfo(jnp.float32).tiny
+    for j in range(p.shape[1]):
+        v = p[:, j]
+        for _ in range(2):
+            for c in cols:
+                v = v - jnp.dot(c, v) * c
+        norm = jnp.sqrt(jnp.dot(v, v))
+        cols.append(jnp.where(norm > tiny, v / jnp.where(norm > tiny, norm, 1.0), 0.0))
+    return jnp.stack(cols, axis=1)
+
+
+def _flat_mean(parts: list[jax.Array], axes) -> list[jax.Array]:
+    """One ``lax.pmean`` of every array of ``parts`` together."""
+    if not parts:
+        return []
+    flat = lax.pmean(jnp.concatenate([a.reshape(-1) for a in parts]), axes)
+    out, start = [], 0
+    for a in parts:
+        out.append(flat[start : start + a.size].reshape(a.shape))
+        start += a.size
+    return out
+
+
+def _low_rank(ms: list[jax.Array], qs: list[jax.Array], axes):
+    """PowerSGD's Algorithm 1 on every matrix at once: (approximations,
+    new Qs), identical on every device."""
+    ps = _flat_mean([m @ q for m, q in zip(ms, qs, strict=True)], axes)
+    ps = [orthogonalize(p) for p in ps]
+    new_qs = _flat_mean([m.T @ p for m, p in zip(ms, ps, strict=True)], axes)
+    approx = [p @ q.T for p, q in zip(ps, new_qs, strict=True)]
+    return approx, new_qs
+
+
+def _payloads(plan: _Plan) -> tuple[int, int, int]:
+    """Bytes of the factors, of the full matrices and of the other leaves."""
+    factors = sum((n + m) * r for n, m, r in plan.matrices.values()) * 4
+    full = sum(n * m for n, m, _ in plan.matrices.values()) * 4
+    exact = sum(math.prod(plan.shapes[i]) * plan.dtypes[i].itemsize for i in plan.rest)
+    return factors, full, exact
+
+
+def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None) -> Telemetry:
+    """The step's :class:`Telemetry`: the factors (or, in a warm-up step,
+    the full matrices) and the other leaves, exact or as ``rest``'s state
+    counted them."""
+    factors, full, exact = _payloads(plan)
+    num = max(plan.num_elements, 1)
+    matrices = jnp.where(in_warmup, jnp.float32(full), jnp.float32(factors))
+    payload, wire = matrices + exact, uncompressed_send_nbytes(1.0, p) * (matrices + exact)
+    if rest is not None:  # the rest's bits are per rest element
+        n_rest = sum(math.prod(plan.shapes[i]) for i in plan.rest)
+        payload = matrices + rest.bits_per_element * n_rest / 8.0
+        wire = uncompressed_send_nbytes(1.0, p) * matrices + rest.wire_bytes
+    bits = 8.0 * payload / num
+    if p > 1:
+        ratio = uncompressed_send_nbytes(4.0 * num, p) / jnp.maximum(wire, 1e-30)
+    else:
+        ratio = 32.0 / jnp.maximum(bits, 1e-30)
+    zero = jnp.zeros((), jnp.float32)
+    return Telemetry(bits.astype(jnp.float32), wire.astype(jnp.float32), ratio, zero)
+
+
+def powersgd(
+    axis_name: str | tuple[str, str],
+    rank: int = 4,
+    *,
+    warmup_steps: int | jax.Array = 0,
+    min_compression_rate: float = 2.0,
+    warm_start: bool = True,
+    error_feedback: bool = True,
+    rest: Policy | None = None,
+    seed: int = 0,
+) -> optax.GradientTransformation:
+    """PowerSGD's compressed mean of the gradients, with error feedback.
+
+    The first element of an ``optax.chain`` inside a ``jax.shard_map``'d (or
+    ``jax.pmap``'d) train step, in place of ``lax.pmean(grads, axis_name)``,
+    as ``compress_gradients``. Each floating leaf of rank >= 2 whose
+    rank-``rank`` factors are at least ``min_compression_rate`` times
+    smaller than it (``n m >= rate (n + m) r``, as PyTorch's PowerSGD hook)
+    is compressed: M = grad + residual, P = mean(M Q), P orthogonalized,
+    Q = mean(M^T P), the update P Q^T, the residual M - P Q^T (Vogels et al.
+    2019, Algorithms 1 and 2; the matmuls and the orthogonalization in
+    float32 whatever the gradient's dtype). All the P go in one all-reduce,
+    all the Q in another. The other leaves (vectors, small matrices) are
+    averaged exactly in one more all-reduce, or by ``compress_gradients``
+    with the codec ``rest``.
+
+    Over any number of steps, the updates applied (times the number of
+    devices) plus the residuals equal the sum of the gradients (tested).
+    The residual is ``M - P Q^T`` with the all-reduced factors, as the
+    paper's reference code and PyTorch's hook keep it: it holds what the
+    approximation dropped and this device's difference from the mean; a
+    warm-up step sends everything and leaves none.
+
+    Args:
+      axis_name: the data-parallel mesh / pmap axis; a pair ``(slow, fast)``
+        averages exactly over ``fast`` first and compresses over ``slow``
+        (the hierarchical algorithm: the devices of one ``fast`` group then
+        hold the same residual).
+      rank: the rank r of the approximation.
+      warmup_steps: the first steps send the exact mean (PyTorch's
+        ``start_powerSGD_iter``); may be a traced int.
+      min_compression_rate: compress a leaf only if its factors are at least
+        this many times smaller than it.
+      warm_start: start each step's power iteration from the previous
+        step's Q (the paper's reuse); False draws a fresh standard normal Q
+        every step (the same on every device).
+      error_feedback: keep M - P Q^T for the next step.
+      rest: None (the other leaves averaged exactly) or a codec policy for
+        them, as ``compress_gradients`` takes (its defaults otherwise).
+      seed: seeds the initial (and, without warm start, every) Q.
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`PowerSGDState`.
+    """
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
+        raise ValueError(f"{_WHO}: rank must be a Python int >= 1, got {rank!r}")
+    if not isinstance(min_compression_rate, (int, float)) or min_compression_rate < 0:
+        raise ValueError(
+            f"{_WHO}: min_compression_rate must be a number >= 0, got {min_compression_rate!r}"
+        )
+    if isinstance(warmup_steps, (int, np.integer)) and warmup_steps < 0:
+        raise ValueError(f"{_WHO}: warmup_steps must be >= 0, got {warmup_steps}")
+    rank, error_feedback, warm_start = int(rank), bool(error_feedback), bool(warm_start)
+    names = _axis_names(axis_name)
+    if len(names) not in (1, 2):
+        raise ValueError(f"{_WHO}: axis_name must be one axis or a (slow, fast) pair")
+    slow, fast = names[0], (names[1] if len(names) == 2 else None)
+    no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
+    inner = None
+    if rest is not None:
+        inner = compress_gradients(rest, slow, warmup_steps=warmup_steps, seed=seed)
+
+    def plan_for(tree) -> _Plan:
+        return _make_plan(tree, rank, min_compression_rate)
+
+    def random_q(i: int, m: int, r: int, step) -> jax.Array:
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), step)
+        return jax.random.normal(key, (m, r), jnp.float32)
+
+    def init_fn(params) -> PowerSGDState:
+        plan = plan_for(params)
+        qs, residuals = [], []
+        for i, shape in enumerate(plan.shapes):
+            if i in plan.matrices:
+                _, m, r = plan.matrices[i]
+                qs.append(random_q(i, m, r, 0))
+                residuals.append(jnp.zeros((1, *shape), jnp.float32))
+            else:
+                qs.append(optax.MaskedNode())
+                residuals.append(optax.MaskedNode())
+        zero = jnp.zeros((), jnp.float32)
+        rest_leaves = [jax.tree.leaves(params)[i] for i in plan.rest]
+        return PowerSGDState(
+            step=jnp.zeros((), jnp.int32),
+            qs=plan.treedef.unflatten(qs),
+            residuals=plan.treedef.unflatten(residuals) if error_feedback else (),
+            rest=inner.init(rest_leaves) if inner is not None else (),
+            telemetry=Telemetry(zero, zero, zero, zero),
+        )
+
+    def read_state(plan: _Plan, state: PowerSGDState):
+        qs = plan.treedef.flatten_up_to(state.qs)
+        res = plan.treedef.flatten_up_to(state.residuals) if error_feedback else None
+        for i, (_, m, r) in plan.matrices.items():
+            if getattr(qs[i], "shape", None) != (m, r):
+                raise ValueError(
+                    f"{_WHO}: the state's Q for leaf {i} has shape "
+                    f"{getattr(qs[i], 'shape', None)}, expected {(m, r)}: was it initialized "
+                    "with other parameters or another rank?"
+                )
+            if res is not None:
+                if getattr(res[i], "shape", (None,))[1:] != plan.shapes[i]:
+                    raise ValueError(
+                        f"{_WHO}: the state's residual for leaf {i} does not fit the gradient "
+                        f"of shape {plan.shapes[i]}: was it initialized with other parameters?"
+                    )
+                if res[i].shape[0] != 1:
+                    raise _replicated_error(f"leaf {i}", res[i].shape[0])
+        return qs, res
+
+    def update_fn(grads, state: PowerSGDState, params=None):
+        del params
+        if not isinstance(state, PowerSGDState):
+            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a PowerSGDState")
+        sizes = _bound_axis_sizes(axis_name)
+        plan = plan_for(grads)
+        qs, res = read_state(plan, state)
+        leaves = plan.treedef.flatten_up_to(grads)
+        if fast is not None:  # exact over the fast axis first
+            leaves = [
+                g if i in plan.passthrough else lax.pmean(g, fast) for i, g in enumerate(leaves)
+            ]
+        idx = list(plan.matrices)
+        ms = [
+            leaves[i].astype(jnp.float32).reshape(plan.matrices[i][:2])
+            + (res[i][0].reshape(plan.matrices[i][:2]) if error_feedback else 0.0)
+            for i in idx
+        ]
+        q_in = [
+            qs[i] if warm_start else random_q(i, *plan.matrices[i][1:], state.step + 1) for i in idx
+        ]
+        in_warmup = state.step < warmup_steps
+
+        def compressed(ms, q_in):
+            return _low_rank(ms, q_in, slow)
+
+        def exact(ms, q_in):
+            return _flat_mean(ms, slow), q_in
+
+        if no_warmup:
+            approx, new_qs = compressed(ms, q_in)
+        else:
+            approx, new_qs = lax.cond(in_warmup, exact, compressed, ms, q_in)
+        out = list(leaves)
+        new_res = list(res) if error_feedback else None
+        for j, i in enumerate(idx):
+            out[i] = approx[j].reshape(plan.shapes[i]).astype(plan.dtypes[i])
+            if error_feedback:  # nothing left behind by an exact (warm-up) step
+                err = jnp.where(in_warmup, 0.0, ms[j] - approx[j])
+                new_res[i] = err.reshape(1, *plan.shapes[i])
+        new_qs_all = list(qs)
+        for j, i in enumerate(idx):
+            new_qs_all[i] = new_qs[j] if warm_start else qs[i]
+
+        # The other leaves after the low-rank ones (one order of collectives
+        # on every device: jc.collectives.after).
+        rest_in = after([leaves[i] for i in plan.rest], (approx, new_qs))
+        rest_state = state.rest
+        if inner is not None and plan.rest:
+            rest_out, rest_state = inner.update(rest_in, state.rest)
+        else:
+            rest_out = _flat_mean_by_dtype(rest_in, slow)
+        for i, v in zip(plan.rest, rest_out, strict=True):
+            out[i] = v
+
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in approx] or [jnp.bool_(True)]))
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        tel = _telemetry(
+            plan, sizes[0], in_warmup, rest_state.telemetry if inner is not None else None
+        )
+        new_state = PowerSGDState(
+            step=jnp.where(ok, state.step + 1, state.step),
+            qs=plan.treedef.unflatten(
+                [
+                    keep(n, o) if i in plan.matrices else o
+                    for i, (n, o) in enumerate(zip(new_qs_all, qs, strict=True))
+                ]
+            ),
+            residuals=(
+                plan.treedef.unflatten(
+                    [
+                        keep(n, o) if i in plan.matrices else o
+                        for i, (n, o) in enumerate(zip(new_res, res, strict=True))
+                    ]
+                )
+                if error_feedback
+                else ()
+            ),
+            rest=rest_state,
+            telemetry=tel,
+        )
+        return plan.treedef.unflatten(out), new_state
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _flat_mean_by_dtype(leaves: list[jax.Array], axes) -> list[jax.Array]:
+    """The exact mean of every leaf, one ``lax.pmean`` per dtype."""
+    out: list[jax.Array | None] = [None] * len(leaves)
+    by_dtype: dict[Any, list[int]] = {}
+    for i, a in enumerate(leaves):
+        by_dtype.setdefault(a.dtype, []).append(i)
+    for group in by_dtype.values():
+        for i, v in zip(group, _flat_mean([leaves[i] for i in group], axes), strict=True):
+            out[i] = v
+    return out
