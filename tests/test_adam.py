@@ -340,3 +340,32 @@ def test_a_coarse_codec_before_adam_warns_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jc.optax.init(jc.optax.onebit_adam(LR, AXIS, warmup_steps=2), params0(), mesh, AXIS)
+
+
+def test_an_optimizer_before_the_all_reduce_is_refused():
+    """jc.optax.init refuses a chain whose optimizer with gradient
+    statistics (Adam's moments, a momentum trace) runs before the
+    compressed all-reduce; stateless transformations before it are fine."""
+    mesh = mesh_of(N_DEV)
+    for first in (optax.adamw(LR), optax.sgd(LR, momentum=0.9)):
+        tx = optax.chain(first, jc.optax.compress_gradients("qsgd:bits=4", AXIS))
+        with pytest.raises(ValueError, match="before the compressed all-reduce"):
+            jc.optax.init(tx, params0(), mesh, AXIS)
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        jc.optax.compress_gradients("qsgd:bits=4", AXIS),
+        optax.sgd(LR, momentum=0.9),
+    )
+    jc.optax.init(tx, params0(), mesh, AXIS)
+
+
+def test_state_specs_refuses_a_state_from_a_plain_init():
+    """A state from tx.init outside the mesh (one residual row on one
+    device) gets an error naming jc.optax.init, not shard_map's "does not
+    evenly divide"; eval_shape'd states and jc.optax.init's pass."""
+    mesh = mesh_of(N_DEV)
+    tx = optax.chain(jc.optax.compress_gradients("qsgd:bits=4", AXIS), optax.sgd(LR))
+    with pytest.raises(ValueError, match=r"jc\.optax\.init\(tx, params, mesh"):
+        jc.optax.state_specs(tx.init(params0()), AXIS)
+    jc.optax.state_specs(jax.eval_shape(tx.init, params0()), AXIS)
+    jc.optax.state_specs(jc.optax.init(tx, params0(), mesh, AXIS), AXIS)

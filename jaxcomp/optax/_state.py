@@ -34,6 +34,17 @@ _SECOND_MOMENT_STATES = tuple(
     if t is not None
 )
 _WARNED_ADAM: set = set()
+# States of transformations that keep statistics of the gradients they are
+# given (moments, traces): before the compressed all-reduce they would see
+# each device's local gradient.
+_GRADIENT_STATISTICS = _SECOND_MOMENT_STATES + tuple(
+    t
+    for t in (
+        getattr(optax, n, None)
+        for n in ("TraceState", "ScaleByLionState", "ScaleByNovogradState", "EmaState")
+    )
+    if t is not None
+)
 
 
 def _is_compress(x) -> bool:
@@ -96,7 +107,9 @@ def state_specs(opt_state, axis_name) -> Any:
     Raises:
       ValueError: ``opt_state`` holds no ``compress_gradients`` state (a
         chain without compression, or a container hiding it, such as an
-        NNX ``nnx.State``): every leaf would silently be replicated.
+        NNX ``nnx.State``): every leaf would silently be replicated; or it
+        was made by a plain ``tx.init`` outside the mesh (one residual row
+        on one device).
     """
     if not _find(opt_state):
         raise ValueError(
@@ -108,7 +121,32 @@ def state_specs(opt_state, axis_name) -> Any:
             "hides the compress state). A chain without compression is replicated: "
             "jax.tree.map(lambda _: P(), opt_state)."
         )
+    _check_laid_out(opt_state)
     return _specs(opt_state, axis_name)
+
+
+def _check_laid_out(opt_state) -> None:
+    """Raises for a state made by a plain ``tx.init`` outside the mesh: its
+    per-device residuals are one row on one device, where ``jc.optax.init``
+    gives one row per device, sharded over the mesh (shard_map would fail
+    with a bare "does not evenly divide" error)."""
+    if jax.device_count() < 2:
+        return
+    for s in _find(opt_state):
+        for r in jax.tree.leaves(s.residuals):
+            sharding = getattr(r, "sharding", None)
+            if (
+                isinstance(r, jax.Array)
+                and isinstance(sharding, jax.sharding.SingleDeviceSharding)
+                and r.ndim
+                and r.shape[0] == 1
+            ):
+                raise ValueError(
+                    "jc.optax.state_specs: this state holds one residual row on one device: it "
+                    "was made by tx.init outside the mesh, where each device needs its own row. "
+                    "Create it with jc.optax.init(tx, params, mesh, axis_name) (under jax.pmap: "
+                    "jax.pmap(tx.init, axis_name=...))."
+                )
 
 
 def _specs(opt_state, axis_name) -> Any:
@@ -166,6 +204,10 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
       axis_name: its data-parallel axis.
     Returns:
       The optimizer state, global arrays on ``mesh``.
+    Raises:
+      ValueError: an optimizer that keeps statistics of the gradients
+        (momentum, Adam's moments, ...) comes before the compressed
+        all-reduce in the chain.
     """
     records: list = []
     token = INIT_RECORDS.set(records)
@@ -173,6 +215,7 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
         shapes = jax.eval_shape(tx.init, params)
     finally:
         INIT_RECORDS.reset(token)
+    _check_order(shapes)
     _warn_coarse_before_adam(shapes, records)
     specs = _specs(shapes, axis_name)  # a chain without one: replicated
     f = jax.shard_map(
@@ -219,4 +262,27 @@ def _warn_coarse_before_adam(opt_state, records: list) -> None:
                 "or more (qsgd:bits=4, int8, cast:dtype=bfloat16).",
                 RuntimeWarning,
                 stacklevel=3,
+            )
+
+
+def _check_order(opt_state) -> None:
+    """Raises if a transformation that keeps gradient statistics comes
+    before the compressed all-reduce: it would run on each device's local
+    gradient, and its state (laid out as replicated) would differ per
+    device."""
+
+    def is_node(x):
+        return isinstance(x, (CompressState, PowerSGDState, OneBitAdamState, *_GRADIENT_STATISTICS))
+
+    before = None
+    for x in jax.tree.leaves(opt_state, is_leaf=is_node):
+        if isinstance(x, _GRADIENT_STATISTICS) and before is None:
+            before = type(x).__name__
+        elif isinstance(x, (CompressState, PowerSGDState, OneBitAdamState)) and before:
+            raise ValueError(
+                f"jc.optax.init: the chain runs an optimizer with gradient statistics "
+                f"({before}: momentum, Adam, ...) before the compressed all-reduce "
+                f"({type(x).__name__}), so it would see each device's local gradient and its "
+                "state would silently differ per device. Put the all-reduce first: "
+                "optax.chain(jc.optax.compress_gradients(codec, axis), optax.adamw(...))."
             )
