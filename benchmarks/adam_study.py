@@ -148,7 +148,7 @@ def summarize(results: dict, freeze: int, steps: int) -> list[dict]:
             "diff_pct": d,
             "diff_se": se,
             "diverged": bool(not np.all(np.isfinite(loss)) or np.any(loss > 2 * base)),
-            "resolved": bool(abs(d) > 2 * se),
+            "resolved": bool(abs(d) > 2 * se and np.any(loss != base)),
             "bits_after_warmup": float(bits),
         }
         if label in TARGET_ROWS:
@@ -175,7 +175,8 @@ def table(rows: list[dict], seeds, command: str) -> str:
             diff, res = "diverged", ""
         else:
             se = "" if np.isnan(r["diff_se"]) else f" ± {r['diff_se']:.2f}"
-            diff = f"{r['diff_pct']:+.2f}%{se}"
+            d = r["diff_pct"]
+            diff = (f"{d:+.2f}%" if abs(d) >= 0.005 or d == 0 else f"{d:+.0e}%") + se
             res = "yes" if r["resolved"] else "no"
         target = ""
         if "met" in r:
@@ -210,7 +211,9 @@ def main() -> int:
     path = pathlib.Path(args.json)
     if args.render:
         record = json.loads(path.read_text())
-        body = table(record["summary"], record["seeds"], record["command"])
+        config = record["config"]
+        summary = summarize(record["runs"], config["freeze_steps"], config["steps"])
+        body = table(summary, record["seeds"], record["command"])
         print(body)
         if not args.no_docs:
             write_docs(body)

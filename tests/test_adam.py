@@ -318,7 +318,7 @@ def test_bad_configuration(kw, match):
 
 def test_a_coarse_codec_before_adam_warns_once():
     """jc.optax.init warns (once per codec and optimizer) when a codec of
-    fewer than 4 bits per element is chained before an optimizer that
+    fewer than 8 bits per element is chained before an optimizer that
     divides by a second moment, and points at onebit_adam; not for a finer
     codec, for SGD after it, or for onebit_adam itself."""
     mesh = mesh_of(N_DEV)
@@ -336,7 +336,8 @@ def test_a_coarse_codec_before_adam_warns_once():
     assert init("signsgd:bucket_size=128", optax.adamw(LR)) == []  # once
     assert len(init("topk:fraction=0.05", optax.lamb(LR))) == 1
     assert init("topk:fraction=0.05", optax.sgd(LR, momentum=0.9)) == []
-    assert init("qsgd:bits=4", optax.adam(LR)) == []
+    assert init("int8", optax.adam(LR)) == []
+    assert len(init("qsgd:bits=4", optax.adam(LR))) == 1
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jc.optax.init(jc.optax.onebit_adam(LR, AXIS, warmup_steps=2), params0(), mesh, AXIS)

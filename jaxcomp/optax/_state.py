@@ -251,15 +251,15 @@ def _warn_coarse_before_adam(opt_state, records: list) -> None:
             _WARNED_ADAM.add(key)
             names = ", ".join(str(c) for c in coarse)
             warnings.warn(
-                f"jc.optax.init: compress_gradients with {names} (fewer than 4 bits per "
+                f"jc.optax.init: compress_gradients with {names} (fewer than 8 bits per "
                 f"element) comes before an optimizer with a second moment ({type(x).__name__}: "
                 "Adam, AdamW, LAMB, RMSProp, Adagrad, Adafactor). That optimizer divides by a "
                 "variance that sees the compression noise, and error feedback cannot undo it: "
                 "such codecs train Adam far worse than float32 (docs/training.md, 'Adam and "
                 "compression'; a warm-up of exact steps does not help once it ends). Use "
                 "jc.optax.onebit_adam(learning_rate, axis_name, codec, ...), which sends "
-                "Adam's momentum compressed after freezing its variance, or a codec of 4 bits "
-                "or more (qsgd:bits=4, int8, cast:dtype=bfloat16).",
+                "Adam's momentum compressed after freezing its variance, or a codec of 8 bits "
+                "or more (int8, cast:dtype=bfloat16).",
                 RuntimeWarning,
                 stacklevel=3,
             )
