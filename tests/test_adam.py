@@ -83,6 +83,23 @@ def mean_grads(t, grads=grads_at):
     return {k: np.mean([np.asarray(g[k], np.float64) for g in gs], axis=0) for k in SHAPES}
 
 
+def assert_frozen_adam(got, means, freeze):
+    """``got`` (updates stacked over steps) are Adam's on the mean gradients
+    ``means`` with the variance and its bias correction frozen after
+    ``freeze`` steps, computed here in float64."""
+    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
+    for t, g in enumerate(means):
+        for k in SHAPES:
+            mu[k] = B1 * mu[k] + (1 - B1) * g[k]
+            if t < freeze:
+                nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
+            mu_hat = mu[k] / (1 - B1 ** (t + 1))
+            nu_hat = nu[k] / (1 - B2 ** min(t + 1, freeze))
+            want = -LR * mu_hat / (np.sqrt(nu_hat) + EPS)
+            np.testing.assert_allclose(np.asarray(got[k][t]), want, rtol=2e-5, atol=1e-7)
+
+
 def test_warmup_is_adam():
     """On one device, the warm-up steps are optax.adam's, to the last bits:
     bit for bit is not to be had between two differently fused CPU
@@ -117,18 +134,7 @@ def test_identity_codec_is_adam_with_the_variance_frozen(send):
     mesh, warm, steps = mesh_of(N_DEV), 4, 12
     tx = jc.optax.onebit_adam(LR, AXIS, jc.codecs.Identity(), warmup_steps=warm, send=send)
     _, got, _ = run(mesh, tx, steps)
-    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
-    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
-    for t in range(steps):
-        g = mean_grads(t)
-        for k in SHAPES:
-            mu[k] = B1 * mu[k] + (1 - B1) * g[k]
-            if t < warm:
-                nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
-            mu_hat = mu[k] / (1 - B1 ** (t + 1))
-            nu_hat = nu[k] / (1 - B2 ** min(t + 1, warm))
-            want = -LR * mu_hat / (np.sqrt(nu_hat) + EPS)
-            np.testing.assert_allclose(np.asarray(got[k][t]), want, rtol=2e-5, atol=1e-7)
+    assert_frozen_adam(got, [mean_grads(t) for t in range(steps)], warm)
 
 
 @pytest.mark.parametrize(
@@ -272,18 +278,7 @@ def test_the_freeze_rule_freezes_where_the_variance_settles():
                 break
     assert want_freeze is not None and 2 * every < want_freeze < steps - 4
     assert int(_adam_state(state).frozen_at) == want_freeze
-    mu = {k: np.zeros(s) for k, s in SHAPES.items()}
-    nu = {k: np.zeros(s) for k, s in SHAPES.items()}
-    for t in range(steps):
-        g = means[t]
-        for k in SHAPES:
-            mu[k] = B1 * mu[k] + (1 - B1) * g[k]
-            if t < want_freeze:
-                nu[k] = B2 * nu[k] + (1 - B2) * g[k] ** 2
-            mu_hat = mu[k] / (1 - B1 ** (t + 1))
-            nu_hat = nu[k] / (1 - B2 ** min(t + 1, want_freeze))
-            want = -LR * mu_hat / (np.sqrt(nu_hat) + EPS)
-            np.testing.assert_allclose(np.asarray(got[k][t]), want, rtol=2e-5, atol=1e-7)
+    assert_frozen_adam(got, means, want_freeze)
 
 
 def test_state_layout_and_telemetry():
