@@ -18,6 +18,7 @@ that a codec's ``encode(x, key)`` cannot carry (docs/training.md).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -130,14 +131,60 @@ def _flat_mean(parts: list[jax.Array], axes) -> list[jax.Array]:
     return out
 
 
-def _low_rank(ms: list[jax.Array], qs: list[jax.Array], axes):
+def _finite(arrays: list[jax.Array]) -> jax.Array:
+    """bool[]: whether every element of every array is finite."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
+
+
+def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
+    """``p @ q.T`` for a small rank: as a sum of r outer products written
+    element-wise, XLA fuses it with what consumes it (the residual, the
+    cast), where a dot would write it to memory first."""
+    if p.shape[1] > 8:
+        return p @ q.T
+    out = p[:, 0, None] * q[None, :, 0]
+    for k in range(1, p.shape[1]):
+        out = out + p[:, k, None] * q[None, :, k]
+    return out
+
+
+def _matmul(g: jax.Array, e: jax.Array | None, x: jax.Array, transpose: bool) -> jax.Array:
+    """``M @ x`` (or ``M.T @ x``) for ``M = g + e``, without writing M:
+    two products that read g and e where they are."""
+    if transpose:  # as (x^T M)^T: XLA:CPU writes an [m, r] product of M^T 10x slower
+
+        def mm(a):
+            return jnp.einsum("nm,nk->km", a, x).T
+    else:
+
+        def mm(a):
+            return a @ x
+
+    return mm(g) if e is None else mm(g) + mm(e)
+
+
+def _compressed(gs, es, qs, axes):
     """PowerSGD's Algorithm 1 on every matrix at once: (approximations,
-    new Qs), identical on every device."""
-    ps = _flat_mean([m @ q for m, q in zip(ms, qs, strict=True)], axes)
+    new Qs, new residuals, finite), identical on every device but the
+    residuals. A step whose factors are not finite keeps the residuals."""
+    ps = _flat_mean([_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)], axes)
     ps = [orthogonalize(p) for p in ps]
-    new_qs = _flat_mean([m.T @ p for m, p in zip(ms, ps, strict=True)], axes)
-    approx = [p @ q.T for p, q in zip(ps, new_qs, strict=True)]
-    return approx, new_qs
+    new_qs = _flat_mean([_matmul(g, e, p, True) for g, e, p in zip(gs, es, ps, strict=True)], axes)
+    ok = _finite(ps + new_qs)  # a non-finite M makes its factors non-finite
+    approx = [_outer(p, q) for p, q in zip(ps, new_qs, strict=True)]
+    res = [
+        None if e is None else jnp.where(ok, g + e - a, e)
+        for g, e, a in zip(gs, es, approx, strict=True)
+    ]
+    return approx, new_qs, res, ok
+
+
+def _exact(gs, es, qs, axes):
+    """A warm-up step: the exact means, the Qs kept, no residual left."""
+    means = _flat_mean([g if e is None else g + e for g, e in zip(gs, es, strict=True)], axes)
+    ok = _finite(means)
+    res = [None if e is None else jnp.where(ok, 0.0, e) for e in es]
+    return means, qs, res, ok
 
 
 def _payloads(plan: _Plan) -> tuple[int, int, int]:
@@ -302,36 +349,27 @@ def powersgd(
                 g if i in plan.passthrough else lax.pmean(g, fast) for i, g in enumerate(leaves)
             ]
         idx = list(plan.matrices)
-        ms = [
-            leaves[i].astype(jnp.float32).reshape(plan.matrices[i][:2])
-            + (res[i][0].reshape(plan.matrices[i][:2]) if error_feedback else 0.0)
-            for i in idx
-        ]
+        gs = [leaves[i].astype(jnp.float32).reshape(plan.matrices[i][:2]) for i in idx]
+        es = [res[i][0].reshape(plan.matrices[i][:2]) if error_feedback else None for i in idx]
         q_in = [
             qs[i] if warm_start else random_q(i, *plan.matrices[i][1:], state.step + 1) for i in idx
         ]
         in_warmup = state.step < warmup_steps
-
-        def compressed(ms, q_in):
-            return _low_rank(ms, q_in, slow)
-
-        def exact(ms, q_in):
-            return _flat_mean(ms, slow), q_in
-
+        compressed = functools.partial(_compressed, axes=slow)
         if no_warmup:
-            approx, new_qs = compressed(ms, q_in)
+            approx, new_qs, new_es, ok = compressed(gs, es, q_in)
         else:
-            approx, new_qs = lax.cond(in_warmup, exact, compressed, ms, q_in)
+            exact = functools.partial(_exact, axes=slow)
+            approx, new_qs, new_es, ok = lax.cond(in_warmup, exact, compressed, gs, es, q_in)
         out = list(leaves)
         new_res = list(res) if error_feedback else None
-        for j, i in enumerate(idx):
-            out[i] = approx[j].reshape(plan.shapes[i]).astype(plan.dtypes[i])
-            if error_feedback:  # nothing left behind by an exact (warm-up) step
-                err = jnp.where(in_warmup, 0.0, ms[j] - approx[j])
-                new_res[i] = err.reshape(1, *plan.shapes[i])
         new_qs_all = list(qs)
         for j, i in enumerate(idx):
-            new_qs_all[i] = new_qs[j] if warm_start else qs[i]
+            out[i] = approx[j].reshape(plan.shapes[i]).astype(plan.dtypes[i])
+            if error_feedback:
+                new_res[i] = new_es[j].reshape(1, *plan.shapes[i])
+            if warm_start:
+                new_qs_all[i] = jnp.where(ok, new_qs[j], qs[i])
 
         # The other leaves after the low-rank ones (one order of collectives
         # on every device: jc.collectives.after).
@@ -344,29 +382,13 @@ def powersgd(
         for i, v in zip(plan.rest, rest_out, strict=True):
             out[i] = v
 
-        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in approx] or [jnp.bool_(True)]))
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
         tel = _telemetry(
             plan, sizes[0], in_warmup, rest_state.telemetry if inner is not None else None
         )
         new_state = PowerSGDState(
             step=jnp.where(ok, state.step + 1, state.step),
-            qs=plan.treedef.unflatten(
-                [
-                    keep(n, o) if i in plan.matrices else o
-                    for i, (n, o) in enumerate(zip(new_qs_all, qs, strict=True))
-                ]
-            ),
-            residuals=(
-                plan.treedef.unflatten(
-                    [
-                        keep(n, o) if i in plan.matrices else o
-                        for i, (n, o) in enumerate(zip(new_res, res, strict=True))
-                    ]
-                )
-                if error_feedback
-                else ()
-            ),
+            qs=plan.treedef.unflatten(new_qs_all),
+            residuals=plan.treedef.unflatten(new_res) if error_feedback else (),
             rest=rest_state,
             telemetry=tel,
         )
