@@ -30,6 +30,7 @@ from jax import lax
 
 from jaxcomp.collectives import after, uncompressed_send_nbytes
 from jaxcomp.optax._plan import Policy, has_residual
+from jaxcomp.optax._step import all_finite
 from jaxcomp.optax._telemetry import Telemetry
 from jaxcomp.optax._transform import (
     _axis_names,
@@ -131,11 +132,6 @@ def _flat_mean(parts: list[jax.Array], axes) -> list[jax.Array]:
     return out
 
 
-def _finite(arrays: list[jax.Array]) -> jax.Array:
-    """bool[]: whether every element of every array is finite."""
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(a)) for a in arrays] or [jnp.bool_(True)]))
-
-
 def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
     """``p @ q.T`` for a small rank: as a sum of r outer products written
     element-wise, XLA fuses it with what consumes it (the residual, the
@@ -170,7 +166,7 @@ def _compressed(gs, es, qs, axes):
     ps = _flat_mean([_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)], axes)
     ps = [orthogonalize(p) for p in ps]
     new_qs = _flat_mean([_matmul(g, e, p, True) for g, e, p in zip(gs, es, ps, strict=True)], axes)
-    ok = _finite(ps + new_qs)  # a non-finite M makes its factors non-finite
+    ok = all_finite(ps + new_qs)  # a non-finite M makes its factors non-finite
     approx = [_outer(p, q) for p, q in zip(ps, new_qs, strict=True)]
     res = [
         None if e is None else jnp.where(ok, g + e - a, e)
@@ -182,7 +178,7 @@ def _compressed(gs, es, qs, axes):
 def _exact(gs, es, qs, axes):
     """A warm-up step: the exact means, the Qs kept, no residual left."""
     means = _flat_mean([g if e is None else g + e for g, e in zip(gs, es, strict=True)], axes)
-    ok = _finite(means)
+    ok = all_finite(means)
     res = [None if e is None else jnp.where(ok, 0.0, e) for e in es]
     return means, qs, res, ok
 
@@ -202,18 +198,19 @@ def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None) -> Teleme
     factors, full, exact = _payloads(plan)
     num = max(plan.num_elements, 1)
     matrices = jnp.where(in_warmup, jnp.float32(full), jnp.float32(factors))
-    payload, wire = matrices + exact, uncompressed_send_nbytes(1.0, p) * (matrices + exact)
+    payload, wire = matrices + exact, uncompressed_send_nbytes(matrices + exact, p)
     if rest is not None:  # the rest's bits are per rest element
         n_rest = sum(math.prod(plan.shapes[i]) for i in plan.rest)
         payload = matrices + rest.bits_per_element * n_rest / 8.0
-        wire = uncompressed_send_nbytes(1.0, p) * matrices + rest.wire_bytes
+        wire = uncompressed_send_nbytes(matrices, p) + rest.wire_bytes
     bits = 8.0 * payload / num
     if p > 1:
         ratio = uncompressed_send_nbytes(4.0 * num, p) / jnp.maximum(wire, 1e-30)
     else:
         ratio = 32.0 / jnp.maximum(bits, 1e-30)
     zero = jnp.zeros((), jnp.float32)
-    return Telemetry(bits.astype(jnp.float32), wire.astype(jnp.float32), ratio, zero)
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    return Telemetry(f32(bits), f32(wire), f32(ratio), zero)
 
 
 def powersgd(
