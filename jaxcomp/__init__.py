@@ -1,14 +1,16 @@
 """jaxcomp: compressed gradient communication for data-parallel JAX training."""
 
-from jaxcomp import codecs, collectives, ops, optax, wire
+from jaxcomp import codecs, collectives, ops, optax, train, wire
 from jaxcomp._ffi import cpu_available, cuda_available
 from jaxcomp.collectives import Reduced, pmean, psum
 from jaxcomp.errors import WireFormatError
 from jaxcomp.payload import Payload
+from jaxcomp.train import DataParallel, data_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DataParallel",
     "Payload",
     "Reduced",
     "WireFormatError",
@@ -16,9 +18,11 @@ __all__ = [
     "collectives",
     "cpu_available",
     "cuda_available",
+    "data_parallel",
     "ops",
     "optax",
     "pmean",
     "psum",
+    "train",
     "wire",
 ]
