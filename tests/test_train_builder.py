@@ -279,3 +279,32 @@ def test_misuse_raises_clear_errors():
         step(params, tx.init(params0), batch)
     with pytest.raises(ValueError, match="init\\(\\) was given a pytree"):
         step.module(params)
+
+
+def test_nnx_optimizer_route_is_refused():
+    """The usual NNX setup, nnx.Optimizer over a compress_gradients chain and
+    nnx.shard_map with replicated specs, would keep every device's residual
+    in one array typed as replicated: update refuses the state tx.init made
+    outside the mesh, and state_specs refuses the nnx.State that hides the
+    compress state. (jc.data_parallel takes the NNX model instead.)"""
+    from flax import nnx
+
+    mesh = _mesh()
+    model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    tx = optax.chain(
+        jc.optax.compress_gradients("qsgd:bits=4", "data", min_compress_size=0), optax.sgd(0.1)
+    )
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    with pytest.raises(ValueError, match=r"hides the compress state"):
+        jc.optax.state_specs(nnx.state(opt), "data")
+
+    def step(model, opt, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(model)
+        opt.update(model, grads)
+        return loss
+
+    f = nnx.shard_map(
+        step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P(), check_vma=False
+    )
+    with pytest.raises(ValueError, match=r"initialized outside the mapped function.*jc.optax.init"):
+        nnx.jit(f)(model, opt, jnp.ones((64, 64)))

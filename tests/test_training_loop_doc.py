@@ -1,0 +1,87 @@
+"""Every code block of docs/training-loop.md runs as written: the builder
+under jax.jit, the hand-written shard_map step, pmap and Flax NNX on 8
+devices (each trains: its loss falls), and the multi-process block on 2
+processes x 2 devices over loopback (multiprocess tier)."""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+
+DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training-loop.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+
+
+def _block(marker: str) -> str:
+    (block,) = [b for b in BLOCKS if marker in b]
+    return block
+
+
+def test_the_page_has_its_five_examples():
+    assert len(BLOCKS) == 5
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
+@pytest.mark.parametrize(
+    "marker, final_loss",
+    [
+        ("jc.data_parallel(loss_fn, tx, mesh)\nparams, opt_state = step.init(params)", 0.25),
+        ("jax.shard_map(", 0.05),
+        ("jax.pmap(train_step", 0.05),
+        ("class MLP(nnx.Module)", 0.3),
+    ],
+    ids=["builder", "shard_map", "pmap", "nnx"],
+)
+def test_single_process_examples_run_and_train(marker, final_loss, capsys):
+    """(The losses start near the targets' variances: 0.43 for sin, 0.57
+    for cos, 22 for the linear ones.)"""
+    scope: dict = {}
+    exec(compile(_block(marker), str(DOC), "exec"), scope)
+    loss = scope["loss"]
+    assert float(loss.reshape(-1)[0]) < final_loss, capsys.readouterr().out
+    assert "loss" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_multiprocess_example_runs(tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(_block("jax.distributed.initialize("))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        env = {
+            **os.environ,
+            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "JAX_PLATFORMS": "cpu",
+            "COORDINATOR": f"127.0.0.1:{port}",
+            "NUM_PROCESSES": "2",
+            "PROCESS_ID": str(i),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
+        assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"process {i}: loss")]
+        assert float(line.split()[-1]) < 0.1, out
+    # Both processes print the same (replicated) loss.
+    assert outs[0].splitlines()[-1].split()[-1] == outs[1].splitlines()[-1].split()[-1]
