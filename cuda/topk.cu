@@ -15,7 +15,8 @@
 // k_per_bucket mode: one block per bucket runs the same radix select on its
 // bucket in shared memory, then emits in index order the same way.
 //
-// Decode: a memset and a scatter.
+// Decode: a check of the indices, a fill (zeros, or NaN for a malformed
+// payload) and a scatter.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -262,9 +263,31 @@ __global__ void bucket_select_kernel(const W* __restrict__ x, int64_t n, int64_t
 // ---------------------------------------------------------------------------
 // Decode.
 // ---------------------------------------------------------------------------
+// A malformed payload (topk_entry_ok) sets *bad; the fill then writes NaN
+// everywhere and the scatter does nothing, as on the CPU and in the twin.
+template <typename I>
+__global__ void check_kernel(const I* __restrict__ idx, int64_t entries, int64_t n, int64_t k, int64_t bucket,
+                             uint32_t* bad) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  bool ok = true;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < entries; j += stride) {
+    const uint32_t prev = j > 0 ? static_cast<uint32_t>(idx[j - 1]) : 0u;
+    ok = ok && topk_entry_ok(j, static_cast<uint32_t>(idx[j]), prev, n, k, bucket);
+  }
+  if (!ok) atomicOr(bad, 1u);
+}
+
+template <typename W>
+__global__ void fill_kernel(W* __restrict__ out, int64_t n, const uint32_t* bad, W nan) {
+  const W v = *bad != 0 ? nan : W{0};
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) out[i] = v;
+}
+
 template <typename W, typename I>
 __global__ void scatter_kernel(const I* __restrict__ idx, const W* __restrict__ val, int64_t entries, int64_t n,
-                               int64_t k, int64_t bucket, W* __restrict__ out) {
+                               int64_t k, int64_t bucket, const uint32_t* bad, W* __restrict__ out) {
+  if (*bad != 0) return;  // uniform across the grid
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < entries; j += stride) {
     const int64_t g = topk_global_index(j, static_cast<uint32_t>(idx[j]), k, bucket);
@@ -344,8 +367,9 @@ ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
   return launched(op);
 }
 
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer values,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
+// One malformed flag per entry of the batch, in scratch memory.
+ffi::Error DecodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer indices,
+                      ffi::AnyBuffer values, ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
   const char* op = "jaxcomp_topk_decode";
   const Batch b(indices, values, *out);
   const DType dt = dtype_of(out->element_type());
@@ -355,18 +379,24 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffe
                                                 b.count(1))))
     return invalid(op, e);
   if (n == 0) return ffi::Error::Success();
-  // One memset for the whole batch: the outputs of the entries are contiguous.
-  cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
-  if (entries > 0) {
-    topk_with_types(dt, ibytes, [&](auto w, auto ix) {
-      using W = decltype(w);
-      using I = decltype(ix);
-      for (int64_t i = 0; i < b.size(); ++i) {
+  std::optional<void*> allocated = scratch.Allocate(static_cast<size_t>(b.size()) * sizeof(uint32_t), 16);
+  if (!allocated.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
+  uint32_t* bad = static_cast<uint32_t*>(*allocated);
+  cudaMemsetAsync(bad, 0, static_cast<size_t>(b.size()) * sizeof(uint32_t), stream);
+  topk_with_types(dt, ibytes, [&](auto w, auto ix) {
+    using W = decltype(w);
+    using I = decltype(ix);
+    const W nan = static_cast<W>(topk_nan_word(dt));
+    for (int64_t i = 0; i < b.size(); ++i) {
+      if (entries > 0)
+        check_kernel<I><<<grid_for(entries), kTopkThreads, 0, stream>>>(b.at<const I>(0, i), entries, n, k, bucket,
+                                                                        bad + i);
+      fill_kernel<W><<<grid_for(n), kTopkThreads, 0, stream>>>(b.at<W>(2, i), n, bad + i, nan);
+      if (entries > 0)
         scatter_kernel<W, I><<<grid_for(entries), kTopkThreads, 0, stream>>>(
-            b.at<const I>(0, i), b.at<const W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
-      }
-    });
-  }
+            b.at<const I>(0, i), b.at<const W>(1, i), entries, n, k, bucket, bad + i, b.at<W>(2, i));
+    }
+  });
   return launched(op);
 }
 
@@ -387,6 +417,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::EncodeImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::DecodeImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::ScratchAllocator>()  // malformed flags, one per entry
                                   .Arg<ffi::AnyBuffer>()  // indices
                                   .Arg<ffi::AnyBuffer>()  // values
                                   .Ret<ffi::AnyBuffer>()  // flat output, values' dtype

@@ -15,6 +15,7 @@
 // finds the bin of the k-th largest key and nth_element among that bin's keys
 // finds T; then one scan in index order emits. Buckets run in parallel.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <functional>
 #include <cstring>
@@ -394,14 +395,33 @@ void encode(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I*
   }
 }
 
-// Zeros, then the entries' values at their global indices. Indices outside
-// [0, n) are padding (or, in a malformed payload, noise): skipped, as the
-// twin's scatter drops them.
+// Zeros, then the entries' values at their global indices; padding entries
+// (global index >= n) are skipped, as the twin's scatter drops them. A
+// malformed payload (topk_entry_ok) decodes to NaN everywhere instead.
 template <typename W, typename I>
 void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t n, int64_t k, int64_t bucket,
-            W* out) {
-  parallel_for(runner, n, kElementsPerTask * 4,
-               [&](int64_t i0, int64_t i1) { std::memset(out + i0, 0, (i1 - i0) * sizeof(W)); });
+            W nan, W* out) {
+  std::atomic<bool> bad{false};
+  parallel_for(runner, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
+    bool ok = true;
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint32_t prev = j > 0 ? static_cast<uint32_t>(idx[j - 1]) : 0u;
+      ok &= topk_entry_ok(j, static_cast<uint32_t>(idx[j]), prev, n, k, bucket);
+    }
+    if (!ok) bad.store(true, std::memory_order_relaxed);
+  });
+  const bool malformed = bad.load();
+  const W fill = malformed ? nan : W{0};
+  parallel_for(runner, n, kElementsPerTask * 4, [&](int64_t i0, int64_t i1) {
+    if (fill == W{0}) {
+      std::memset(out + i0, 0, (i1 - i0) * sizeof(W));
+    } else {
+      std::fill(out + i0, out + i1, fill);
+    }
+  });
+  if (malformed) return;
+  // Indices are now strictly ascending within each range: every output
+  // element has at most one writer.
   parallel_for(runner, entries, kElementsPerTask, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t g = topk_global_index(j, idx[j], k, bucket);
@@ -444,7 +464,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuff
     topk_with_types(dt, ibytes, [&](auto w, auto ix) {
       using W = decltype(w);
       using I = decltype(ix);
-      decode<W, I>(runner, b.at<I>(0, i), b.at<W>(1, i), entries, n, k, bucket, b.at<W>(2, i));
+      decode<W, I>(runner, b.at<I>(0, i), b.at<W>(1, i), entries, n, k, bucket,
+                   static_cast<W>(topk_nan_word(dt)), b.at<W>(2, i));
     });
   });
 }

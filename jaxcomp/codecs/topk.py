@@ -337,16 +337,39 @@ def _as_float(words: jax.Array, dtype) -> jax.Array:
     return lax.bitcast_convert_type(lax.optimization_barrier(words), dtype)
 
 
+_NAN_WORDS = {np.dtype(jnp.float32): 0x7FC00000, np.dtype(jnp.bfloat16): 0x7FC0}
+_NAN_WORDS[np.dtype(jnp.float16)] = 0x7E00
+
+
+def well_formed(indices: jax.Array, n: int, k: int, bucket: int) -> jax.Array:
+    """topk.h: topk_entry_ok over every entry, as one bool: each stored
+    index below its range's limit (n, or the bucket size) and above the
+    entry before it in its range (the whole tensor, or its bucket)."""
+    idx = indices.astype(jnp.uint32)
+    if bucket == 0:
+        rows, limit = idx.reshape(1, -1), n
+    else:
+        rows, limit = idx.reshape(-1, k), bucket
+    ok = jnp.all(rows < np.uint32(limit))
+    return ok & jnp.all(rows[:, 1:] > rows[:, :-1])
+
+
 def decode_ref(indices: jax.Array, values: jax.Array, n: int, k: int, bucket: int):
     wt = _word(values.dtype)
     words = lax.bitcast_convert_type(values, wt)
     if bucket == 0:
         out = jnp.zeros((n,), wt).at[indices.astype(jnp.uint32)].set(words, mode="drop")
-        return _as_float(out, values.dtype)
-    nb = -(-n // bucket)
-    rows = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), k)
-    dense = jnp.zeros((nb, bucket), wt).at[rows, indices.astype(jnp.int32)].set(words, mode="drop")
-    return _as_float(dense.reshape(-1)[:n], values.dtype)
+    else:
+        nb = -(-n // bucket)
+        rows = jnp.repeat(jnp.arange(nb, dtype=jnp.int32), k)
+        dense = (
+            jnp.zeros((nb, bucket), wt).at[rows, indices.astype(jnp.int32)].set(words, mode="drop")
+        )
+        out = dense.reshape(-1)[:n]
+    # A malformed payload decodes to NaN everywhere (topk.h, topk_entry_ok).
+    nan = np.array(_NAN_WORDS[np.dtype(values.dtype)], wt)
+    out = jnp.where(well_formed(indices, n, k, bucket), out, nan)
+    return _as_float(out, values.dtype)
 
 
 def global_indices(indices: jax.Array, n: int, k: int, bucket: int) -> jax.Array:

@@ -47,6 +47,27 @@ JC_HD int64_t topk_global_index(int64_t j, uint32_t stored, int64_t k, int64_t b
   return bucket == 0 ? static_cast<int64_t>(stored) : (j / k) * bucket + static_cast<int64_t>(stored);
 }
 
+// Malformed payloads. The encoder writes indices in ascending order below
+// their range's limit (n for the whole tensor; the bucket size for
+// bucket-local ones, padding entries included). A payload where an entry
+// breaks that (an index out of range, repeated, or not above the one before
+// it in its range) is malformed, and every backend decodes it to NaN
+// everywhere instead of scattering it: never an access outside the output,
+// never a result that depends on which of two writes to one element lands
+// last. Entry j is checked against entry j - 1 (`prev`) unless it starts its
+// range.
+JC_HD bool topk_entry_ok(int64_t j, uint32_t stored, uint32_t prev, int64_t n, int64_t k, int64_t bucket) {
+  const int64_t limit = bucket == 0 ? n : bucket;
+  const bool first = bucket == 0 ? j == 0 : j % k == 0;
+  return static_cast<int64_t>(stored) < limit && (first || stored > prev);
+}
+
+// The quiet NaN of the output's storage word (what the twin's NaN constant
+// is): float32 0x7fc00000, bfloat16 0x7fc0, float16 0x7e00.
+JC_HD uint32_t topk_nan_word(DType dt) {
+  return dt == DType::kF32 ? 0x7fc00000u : dt == DType::kBF16 ? 0x7fc0u : 0x7e00u;
+}
+
 // The bin of a histogram (counts per key bin, bins in key order) that holds
 // the k-th largest key, 1 <= k <= the total: the largest b with
 // #{keys in bins >= b} >= k. *above receives #{keys in bins > b}. Radix
