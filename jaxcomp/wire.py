@@ -18,6 +18,8 @@ wrong is reported as :class:`~jaxcomp.WireFormatError`.
 
 from __future__ import annotations
 
+import functools
+import math
 import struct
 import zlib
 from typing import Any
@@ -35,6 +37,7 @@ __all__ = [
     "VERSION",
     "from_bytes",
     "header_nbytes",
+    "parse",
     "serialized_nbytes",
     "to_bytes",
 ]
@@ -209,11 +212,28 @@ def to_bytes(payload: Payload) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
+# Readers see the same few configurations and shapes over and over: both
+# are pure functions of hashable values (a failure is not cached, and raises
+# again on the next call).
+@functools.lru_cache(maxsize=256)
+def _codec_of(cls, params: tuple[int, ...]):
+    codec = cls.from_wire_params(params)
+    return codec, tuple(int(p) for p in codec.wire_params())
+
+
+@functools.lru_cache(maxsize=1024)
+def _layout_of(codec, shape: tuple[int, ...], dtype: np.dtype):
+    return tuple(
+        (k, np.dtype(spec.dtype), math.prod(spec.shape), tuple(spec.shape))
+        for k, spec in codec.layout(shape, dtype).items()
+    )
+
+
 def _fail(msg: str) -> WireFormatError:
     return WireFormatError(f"from_bytes: {msg}")
 
 
-def from_bytes(b: bytes | bytearray | memoryview) -> Payload:
+def from_bytes(b: bytes | bytearray | memoryview, *, max_elements: int | None = None) -> Payload:
     """Parses and validates one message produced by :func:`to_bytes`.
 
     Checks, in order: the magic, the version, that every header field lies
@@ -224,12 +244,35 @@ def from_bytes(b: bytes | bytearray | memoryview) -> Payload:
 
     Args:
       b: the message; any bytes-like object of exactly one message.
+      max_elements: if given, the most elements the tensor may have. The
+        format's own limit (2^32 - 1) bounds what the reader allocates by
+        the message's length, but not what decoding allocates: a sparse or
+        variable-rate payload (TopK, ThreeLC with a small capacity) of a few
+        bytes can declare 2^32 - 1 elements. A reader of untrusted messages
+        sets this to what it is prepared to decode.
     Returns:
       A :class:`~jaxcomp.Payload` whose arrays are fresh ``jax.Array`` s, ready
       for ``payload.codec.decode``.
     Raises:
       WireFormatError: on any malformed, truncated, inconsistent or unknown
         input (and never another exception for bad bytes).
+    """
+    codec, shape, dtype, arrays = parse(b, max_elements=max_elements)
+    return Payload(codec, shape, dtype, {k: jnp.asarray(a) for k, a in arrays.items()})
+
+
+def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None):
+    """:func:`from_bytes` without the conversion to ``jax.Array``: the same
+    checks, in the same order, with the same errors.
+
+    Args:
+      b: the message; any bytes-like object of exactly one message.
+      max_elements: as for :func:`from_bytes`.
+    Returns:
+      ``(codec, shape, dtype, arrays)``, the arrays as NumPy arrays in
+      layout order (copies, in host byte order).
+    Raises:
+      WireFormatError: as :func:`from_bytes`.
     """
     try:
         buf = memoryview(b).cast("B")
@@ -296,8 +339,7 @@ def from_bytes(b: bytes | bytearray | memoryview) -> Payload:
     # The codec's own code runs on untrusted values here; whatever it raises is
     # a rejection of those values.
     try:
-        codec = cls.from_wire_params(params)
-        canonical = tuple(int(p) for p in codec.wire_params())
+        codec, canonical = _codec_of(cls, params)
     except Exception as e:
         raise _fail(f"{cls.__name__} rejects wire params {list(params)}: {e}") from e
     if canonical != params:
@@ -317,21 +359,36 @@ def from_bytes(b: bytes | bytearray | memoryview) -> Payload:
         size *= d
     if size > MAX_ELEMENTS:
         raise _fail(f"shape {list(shape)} has {size} elements, over the limit of 2^32 - 1")
+    if max_elements is not None and size > max_elements:
+        raise _fail(
+            f"shape {list(shape)} has {size} elements, over the caller's max_elements={max_elements}"
+        )
     try:
-        layout = codec.layout(shape, dtype)
+        layout = _layout_of(codec, shape, dtype)
     except Exception as e:
         raise _fail(f"{codec!r} has no layout for shape {list(shape)} {dtype.name}: {e}") from e
     if len(layout) != narrays:
         raise _fail(
             f"{codec!r} on {dtype.name}{list(shape)} has {len(layout)} arrays "
-            f"({', '.join(layout)}), the message has {narrays}"
+            f"({', '.join(k for k, *_ in layout)}), the message has {narrays}"
         )
 
+    return (
+        codec,
+        shape,
+        dtype,
+        _read_arrays(buf, header_len, codec, shape, dtype, layout, descriptors),
+    )
+
+
+def _read_arrays(
+    buf, header_len, codec, shape, dtype, layout, descriptors
+) -> dict[str, np.ndarray]:
+    """Checks each descriptor against the layout and copies the arrays out
+    of ``buf`` into host-order NumPy arrays."""
     arrays = {}
     off = header_len
-    for (k, spec), (dt, count) in zip(layout.items(), descriptors, strict=True):
-        want_dt = np.dtype(spec.dtype)
-        want_count = int(np.prod(spec.shape, dtype=np.int64))
+    for (k, want_dt, want_count, want_shape), (dt, count) in zip(layout, descriptors, strict=True):
         if dt != want_dt:
             raise _fail(f"array {k!r} of {codec!r} is {dt.name}, expected {want_dt.name}")
         if count != want_count:
@@ -343,5 +400,5 @@ def from_bytes(b: bytes | bytearray | memoryview) -> Payload:
         off += count * dt.itemsize
         # astype copies (out of the caller's buffer) and converts to host order.
         host = raw.astype(raw.dtype.newbyteorder("="), copy=True).view(dt)
-        arrays[k] = jnp.asarray(host.reshape(spec.shape))
-    return Payload(codec, shape, dtype, arrays)
+        arrays[k] = host.reshape(want_shape)
+    return arrays

@@ -487,3 +487,57 @@ def test_well_framed_edited_fields_are_rejected_or_canonical(
             for c, n in zip(codes, counts, strict=False)
         ]
     _only_wire_format_error(_build(**fields))
+
+
+# -- huge declared sizes: rejected before anything of that size is allocated ---
+
+
+def _peak_alloc(fn) -> int:
+    """Peak bytes traced by tracemalloc while ``fn`` runs (NumPy's data
+    buffers included)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+_HUGE = {
+    # A 2^40-element tensor, arrays sized as its layout says.
+    "dims 2^40": dict(dims=[1 << 20, 1 << 20]),
+    "dims 2^40, one dim": dict(dims=[1 << 40]),
+    # The descriptors declare 2^40 elements (of a real 37-element tensor).
+    "array 2^40 elements": dict(arrays=[(1, 1 << 40, b"\0" * 148)]),
+    "dims and array 2^40": dict(dims=[1 << 40], arrays=[(1, 1 << 40, b"\0" * 148)]),
+}
+
+
+@pytest.mark.parametrize("case", list(_HUGE))
+def test_huge_element_count_is_rejected_without_allocating_it(case):
+    b = _edited(IDENT, **_HUGE[case])
+
+    def read():
+        with pytest.raises(
+            WireFormatError,
+            match=r"exceeds 2\^32 - 1|over the limit of 2\^32 - 1|inconsistent sizes",
+        ):
+            wire.from_bytes(b)
+
+    assert _peak_alloc(read) < 1 << 20
+
+
+def test_max_elements_bounds_what_a_small_message_decodes_to():
+    """A ThreeLC payload of fixed capacity has the same arrays for any n: a
+    header edited to 2^32 - 1 elements still frames and checks, and would
+    decode into 16 GiB. ``max_elements`` rejects it before that."""
+    codec = jc.codecs.ThreeLC(capacity=8)
+    b = _edited(codec, shape=(100,), dims=[(1 << 32) - 1])
+    p = wire.from_bytes(b)  # accepted: the format's limit is 2^32 - 1
+    assert p.size == (1 << 32) - 1 and p.nbytes == 8 + 9
+    for read in (wire.from_bytes, wire.parse):
+        with pytest.raises(WireFormatError, match="over the caller's max_elements=1048576"):
+            read(b, max_elements=1 << 20)
+    assert wire.from_bytes(_message(codec, (100,)), max_elements=100).size == 100
