@@ -541,9 +541,18 @@ class Codec:
         Returns:
           ``x`` as an array.
         Raises:
-          TypeError: a dtype other than float32, bfloat16 or float16.
+          TypeError: a dtype other than float32, bfloat16 or float16
+            (checked before any conversion: a NumPy float64 array is not
+            silently encoded as float32 and decoded as another dtype than
+            it had; Python scalars and lists take JAX's default, float32).
           ValueError: more than 2^32 - 1 elements.
         """
+        given = getattr(x, "dtype", None)
+        if given is not None and np.dtype(given) not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{type(self).__name__}.encode: unsupported dtype {np.dtype(given).name}; "
+                "expected float32, bfloat16 or float16"
+            )
         x = jnp.asarray(x)
         if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
             raise TypeError(
