@@ -31,12 +31,14 @@ from jax import lax
 from jaxcomp.collectives import after, uncompressed_send_nbytes
 from jaxcomp.optax._plan import Policy, has_residual
 from jaxcomp.optax._step import all_finite
-from jaxcomp.optax._telemetry import Telemetry
+from jaxcomp.optax._telemetry import Telemetry, count_skipped, zero_telemetry
 from jaxcomp.optax._transform import (
     _axis_names,
     _bound_axis_sizes,
     _replicated_error,
+    check_nonfinite,
     compress_gradients,
+    zero_unless,
 )
 
 _WHO = "jc.optax.powersgd"
@@ -191,7 +193,7 @@ def _payloads(plan: _Plan) -> tuple[int, int, int]:
     return factors, full, exact
 
 
-def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None) -> Telemetry:
+def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None, skipped) -> Telemetry:
     """The step's :class:`Telemetry`: the factors (or, in a warm-up step,
     the full matrices) and the other leaves, exact or as ``rest``'s state
     counted them."""
@@ -210,7 +212,7 @@ def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None) -> Teleme
         ratio = 32.0 / jnp.maximum(bits, 1e-30)
     zero = jnp.zeros((), jnp.float32)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
-    return Telemetry(f32(bits), f32(wire), f32(ratio), zero)
+    return Telemetry(f32(bits), f32(wire), f32(ratio), zero, skipped)
 
 
 def powersgd(
@@ -222,6 +224,7 @@ def powersgd(
     warm_start: bool = True,
     error_feedback: bool = True,
     rest: Policy | None = None,
+    on_nonfinite: str = "pass",
     seed: int = 0,
 ) -> optax.GradientTransformation:
     """PowerSGD's compressed mean of the gradients, with error feedback.
@@ -262,6 +265,11 @@ def powersgd(
       error_feedback: keep M - P Q^T for the next step.
       rest: None (the other leaves averaged exactly) or a codec policy for
         them, as ``compress_gradients`` takes (its defaults otherwise).
+      on_nonfinite: what ``update`` returns for a step whose mean is not
+        finite, as ``compress_gradients``: ``"pass"`` (the mean) or
+        ``"skip"`` (zeros). Either way such a step leaves the state (the Qs,
+        the residuals, ``rest``'s state, ``step``) as it was and counts in
+        ``Telemetry.skipped_steps``.
       seed: seeds the initial (and, without warm start, every) Q.
     Returns:
       An ``optax.GradientTransformation`` whose state is a
@@ -275,6 +283,7 @@ def powersgd(
         )
     if isinstance(warmup_steps, (int, np.integer)) and warmup_steps < 0:
         raise ValueError(f"{_WHO}: warmup_steps must be >= 0, got {warmup_steps}")
+    on_nonfinite = check_nonfinite(_WHO, on_nonfinite)
     rank, error_feedback, warm_start = int(rank), bool(error_feedback), bool(warm_start)
     names = _axis_names(axis_name)
     if len(names) not in (1, 2):
@@ -303,14 +312,13 @@ def powersgd(
             else:
                 qs.append(optax.MaskedNode())
                 residuals.append(optax.MaskedNode())
-        zero = jnp.zeros((), jnp.float32)
         rest_leaves = [jax.tree.leaves(params)[i] for i in plan.rest]
         return PowerSGDState(
             step=jnp.zeros((), jnp.int32),
             qs=plan.treedef.unflatten(qs),
             residuals=plan.treedef.unflatten(residuals) if error_feedback else (),
             rest=inner.init(rest_leaves) if inner is not None else (),
-            telemetry=Telemetry(zero, zero, zero, zero),
+            telemetry=zero_telemetry(),
         )
 
     def read_state(plan: _Plan, state: PowerSGDState):
@@ -378,9 +386,27 @@ def powersgd(
             rest_out = _flat_mean_by_dtype(rest_in, slow)
         for i, v in zip(plan.rest, rest_out, strict=True):
             out[i] = v
+        if plan.rest:
+            # A non-finite value in the other leaves skips the whole step, as
+            # one in the matrices does: nothing of the state moves.
+            rest_ok = all_finite(rest_out)  # identical on every device
+            ok = ok & rest_ok
+            for i in idx:
+                if warm_start:
+                    new_qs_all[i] = jnp.where(rest_ok, new_qs_all[i], qs[i])
+                if error_feedback:
+                    new_res[i] = jnp.where(rest_ok, new_res[i], res[i])
+            if inner is not None:
+                rest_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), rest_state, state.rest)
+        if on_nonfinite == "skip":
+            out = [zero_unless(ok, u) for u in out]
 
         tel = _telemetry(
-            plan, sizes[0], in_warmup, rest_state.telemetry if inner is not None else None
+            plan,
+            sizes[0],
+            in_warmup,
+            rest_state.telemetry if inner is not None else None,
+            count_skipped(state.telemetry, ok),
         )
         new_state = PowerSGDState(
             step=jnp.where(ok, state.step + 1, state.step),

@@ -37,6 +37,9 @@ class Telemetry(NamedTuple):
         of all devices together after the step, when ``compress_gradients``
         was built with ``residual_norm=True`` (it costs one scalar all-reduce
         per step); otherwise, and without error feedback, 0.
+      skipped_steps: int32[]: the steps so far whose mean gradient was not
+        finite (a NaN or an inf on some device), which left the state as it
+        was (a running count, unlike the other fields).
 
     The first three are constants of the plan, chosen by the warm-up flag:
     reading them costs no communication.
@@ -46,6 +49,19 @@ class Telemetry(NamedTuple):
     wire_bytes: jax.Array
     compression_ratio: jax.Array
     residual_norm: jax.Array
+    skipped_steps: jax.Array
+
+
+def zero_telemetry() -> Telemetry:
+    """The telemetry of a state before its first step."""
+    zero = jnp.zeros((), jnp.float32)
+    return Telemetry(zero, zero, zero, zero, jnp.zeros((), jnp.int32))
+
+
+def count_skipped(previous: Telemetry, ok) -> jax.Array:
+    """int32[]: ``previous.skipped_steps``, plus one if this step's mean was
+    not finite (``ok`` False)."""
+    return previous.skipped_steps + jnp.logical_not(ok).astype(jnp.int32)
 
 
 def _stats(payload: float, wire: float, plan: Plan, p: int) -> tuple[float, float, float]:
@@ -82,13 +98,16 @@ def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
     )
 
 
-def step_telemetry(plan: Plan, sizes, algorithm: str, in_warmup, residual_norm) -> Telemetry:
+def step_telemetry(
+    plan: Plan, sizes, algorithm: str, in_warmup, residual_norm, skipped_steps
+) -> Telemetry:
     """The telemetry of one step: the plan's constants, chosen by ``in_warmup``.
 
     Args:
       plan, sizes, algorithm: as for :func:`accounting`.
       in_warmup: bool[]: whether this step sent the exact mean.
       residual_norm: float32[]: the value to report (0 when not computed).
+      skipped_steps: int32[]: the running count of non-finite steps.
     Returns:
       The :class:`Telemetry`.
     """
@@ -97,7 +116,7 @@ def step_telemetry(plan: Plan, sizes, algorithm: str, in_warmup, residual_norm) 
         jnp.where(in_warmup, jnp.float32(w), jnp.float32(c))
         for c, w in zip(compressed, warmup, strict=True)
     )
-    return Telemetry(*stats, residual_norm)
+    return Telemetry(*stats, residual_norm, skipped_steps)
 
 
 def global_norm(residuals, axes) -> jax.Array:

@@ -19,7 +19,13 @@ from jaxcomp.codecs.base import as_codec
 from jaxcomp.collectives import ALGORITHMS, recompression_warning, state_size
 from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, is_codec_like, make_plan
 from jaxcomp.optax._step import all_finite, pack, reduce, unpack
-from jaxcomp.optax._telemetry import Telemetry, global_norm, step_telemetry
+from jaxcomp.optax._telemetry import (
+    Telemetry,
+    count_skipped,
+    global_norm,
+    step_telemetry,
+    zero_telemetry,
+)
 
 _WHO = "jc.optax.compress_gradients"
 # Fusion saves collectives (their latency) at the cost of copying every fused
@@ -29,6 +35,10 @@ _WHO = "jc.optax.compress_gradients"
 # 2048 x 2048 leaves into one 64 MiB buffer made the step ~15% slower.
 DEFAULT_FUSION_BYTES = 4 << 20
 DEFAULT_MIN_COMPRESS_SIZE = 1024
+# What update returns for a step whose mean gradient is not finite: "pass"
+# returns that mean (optax.apply_if_finite and loss-scaling logic downstream
+# see it), "skip" returns zeros. The state is left as it was either way.
+NONFINITE_MODES = ("pass", "skip")
 
 
 class CompressState(NamedTuple):
@@ -55,7 +65,8 @@ class CompressState(NamedTuple):
         algorithm that compresses once). Like ``residuals``, one row per
         device. ``()`` without error feedback or with
         ``server_error_feedback=False``.
-      telemetry: :class:`Telemetry` of the last step (replicated).
+      telemetry: :class:`Telemetry` of the last step (replicated), with the
+        running count of skipped (non-finite) steps.
     """
 
     step: jax.Array
@@ -129,6 +140,14 @@ def _check_static_int(name: str, value, lo: int) -> int:
             )
         raise ValueError(f"{_WHO}: {name} must be a Python int >= {lo}, got {value!r}{hint}")
     return int(value)
+
+
+def check_nonfinite(who: str, on_nonfinite) -> str:
+    if on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(
+            f"{who}: on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}"
+        )
+    return on_nonfinite
 
 
 def _check_options(algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype):
@@ -244,6 +263,13 @@ def _write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
     return plan.treedef.unflatten(leaves)
 
 
+def zero_unless(ok, u):
+    """``u`` where ``ok``, else zeros (float0 gradients pass through)."""
+    if u.dtype == jax.dtypes.float0:
+        return u
+    return jnp.where(ok, u, jnp.zeros((), u.dtype))
+
+
 def _axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:
     """The sizes of the axes where they are bound (inside the mapped
     function), else None."""
@@ -322,6 +348,7 @@ def compress_gradients(
     warmup_steps: int | jax.Array = 0,
     residual_dtype: Any = "float32",
     residual_norm: bool = False,
+    on_nonfinite: str = "pass",
     seed: int = 0,
 ) -> optax.GradientTransformation:
     """Compressed mean of the gradients over ``axis_name``, with error feedback.
@@ -347,10 +374,15 @@ def compress_gradients(
     in float32). So a state saved under one ``fusion_bytes``, policy or
     ``min_compress_size`` restores under another. They cost
     ``residual_dtype``'s size (4 bytes in float32) per floating-point
-    parameter per device. A step whose mean gradient is not finite returns
-    it (the chain sees it) but leaves the residuals, ``step`` and ``key`` as
-    they were; so does, on its own device, a step that would make a residual
-    non-finite.
+    parameter per device. A step whose mean gradient is not finite (a NaN
+    or an inf in any device's gradient reaches the mean, for every codec
+    and algorithm: tested) leaves the residuals, the server residuals,
+    ``step`` and ``key`` as they were, so the next step is the one that
+    would have come had this gradient never been given, and counts itself
+    in ``Telemetry.skipped_steps``; the flag is read from the mean, which
+    is identical on every device, so it costs no collective. A step that
+    would make one device's residual non-finite in a narrower
+    ``residual_dtype`` leaves that device's residuals as they were.
 
     Args:
       codec: a :mod:`jaxcomp.codecs` codec for every leaf (or its spec
@@ -381,11 +413,18 @@ def compress_gradients(
       residual_norm: also report the residuals' global L2 norm in the
         telemetry, at the cost of one scalar all-reduce per step; if False,
         ``Telemetry.residual_norm`` is 0.
+      on_nonfinite: what ``update`` returns for a step whose mean gradient
+        is not finite: ``"pass"`` (the default) returns that mean, so that
+        ``optax.apply_if_finite`` or a loss scaler after it sees the
+        overflow and skips the step; ``"skip"`` returns zero updates (plain
+        SGD then leaves the parameters as they were; a later stateful
+        transformation still counts a step).
       seed: seeds the PRNG key of stochastic codecs.
     Returns:
       An ``optax.GradientTransformation`` whose state is a
       :class:`CompressState`.
     """
+    on_nonfinite = check_nonfinite(_WHO, on_nonfinite)
     fusion_bytes, min_compress_size, residual_dtype = _check_options(
         algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype
     )
@@ -405,7 +444,6 @@ def compress_gradients(
         records = INIT_RECORDS.get()
         if records is not None:
             records.append(coarse_for_adam(plan))
-        zero = jnp.zeros((), jnp.float32)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(seed)),
@@ -413,7 +451,7 @@ def compress_gradients(
             server_residuals=(
                 _zero_servers(plan, _axis_sizes_or_none(axis_name), algorithm) if two_level else ()
             ),
-            telemetry=Telemetry(zero, zero, zero, zero),
+            telemetry=zero_telemetry(),
         )
 
     def update_fn(grads, state: CompressState, params=None):
@@ -442,7 +480,11 @@ def compress_gradients(
         )
         out = unpack(plan, leaves, accs, means, sent, residual_dtype if error_feedback else None)
 
-        ok = all_finite(means)  # identical on every device, as the means are
+        # Identical on every device, as the means are; and a non-finite value
+        # in any device's acc reaches the mean for every codec (decoding
+        # multiplies by a scale computed from it, or sends it) and algorithm:
+        # tests/test_nonfinite.py checks both.
+        ok = all_finite(means)
         keep = ok & out.residuals_finite
         if two_level:
             keep = keep & all_finite(new_servers)
@@ -454,12 +496,16 @@ def compress_gradients(
         if error_feedback:
             residuals = _write_residuals(plan, state.residuals, out.residuals, keep)
         norm = global_norm(residuals, axes) if residual_norm else jnp.zeros((), jnp.float32)
-        return plan.treedef.unflatten(out.updates), CompressState(
+        updates = out.updates
+        if on_nonfinite == "skip":
+            updates = [zero_unless(ok, u) for u in updates]
+        skipped = count_skipped(state.telemetry, ok)
+        return plan.treedef.unflatten(updates), CompressState(
             step=jnp.where(ok, state.step + 1, state.step),
             key=jnp.where(ok, jax.random.key_data(next_key), state.key),
             residuals=residuals,
             server_residuals=server_residuals if two_level else (),
-            telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm),
+            telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm, skipped),
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
