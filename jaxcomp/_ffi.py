@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import os
+import sys
 
 import jax
 
@@ -17,9 +19,22 @@ _BACKENDS = ("auto", "ffi", "xla")
 
 @functools.cache
 def _load(module: str, platform: str) -> bool:
+    # JAXCOMP_CPU_MODULE: a path to another build of the CPU module (the
+    # sanitizer build of .ci/sanitize), loaded instead of the installed one.
+    path = os.environ.get("JAXCOMP_CPU_MODULE", "") if module == "_jaxcomp_cpu" else ""
     try:
-        mod = importlib.import_module(f"jaxcomp.{module}")
+        if path:
+            spec = importlib.util.spec_from_file_location(f"jaxcomp.{module}", path)
+            if spec is None or spec.loader is None:
+                raise ImportError(f"JAXCOMP_CPU_MODULE={path!r} is not a loadable module")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            sys.modules[f"jaxcomp.{module}"] = mod
+        else:
+            mod = importlib.import_module(f"jaxcomp.{module}")
     except ImportError:
+        if path:
+            raise
         return False
     for name, capsule in mod.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform=platform)
