@@ -143,6 +143,7 @@ def _check_static_int(name: str, value, lo: int) -> int:
 
 
 def check_nonfinite(who: str, on_nonfinite) -> str:
+    """``on_nonfinite``, checked against ``NONFINITE_MODES``."""
     if on_nonfinite not in NONFINITE_MODES:
         raise ValueError(
             f"{who}: on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}"
