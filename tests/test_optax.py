@@ -984,8 +984,13 @@ def test_update_with_an_unbound_axis_name(mesh):
     tx = jc.optax.compress_gradients(jc.codecs.QSGD(bits=4), "batch")
     state = jc.optax.init(tx, params0(), mesh, AXIS)
     f = mapped_update(mesh, tx, jc.optax.state_specs(state, AXIS))
-    with pytest.raises(ValueError, match="axis 'batch', which is not bound here"):
+    with pytest.raises(ValueError, match="axis 'batch', which is not bound here") as e:
         jax.jit(f)(device_grads(), state)
+    # It names the axes that are bound (where this JAX says which they are).
+    from jaxcomp._axes import bound_axes
+
+    if bound_axes() is not None:
+        assert "The axes bound here are 'data' (size 8)" in str(e.value)
 
 
 def test_replicated_out_specs_rejected_by_vma_checking(mesh):

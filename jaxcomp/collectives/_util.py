@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp._axes import describe_bound_axes
 from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.payload import Payload
 
@@ -26,7 +27,7 @@ def axis_size(axis_name) -> int:
     except NameError as e:
         raise ValueError(
             f"jc.psum: axis name {axis_name!r} is not bound here; call it inside jax.shard_map "
-            "or jax.pmap over a mesh axis of that name"
+            "or jax.pmap over a mesh axis of that name." + describe_bound_axes()
         ) from e
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp._axes import describe_bound_axes
 from jaxcomp.codecs.base import as_codec
 from jaxcomp.collectives import ALGORITHMS, recompression_warning, state_size
 from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, is_codec_like, make_plan
@@ -126,6 +127,7 @@ def _bound_axis_sizes(axis_name) -> tuple[int, ...]:
                 f"{_WHO}: update must run inside jax.shard_map or jax.pmap over the axis "
                 f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
                 "train step (see docs/training.md), or pass the axis_name of your mesh / pmap."
+                + describe_bound_axes()
             ) from e
     return tuple(sizes)
 
