@@ -353,6 +353,17 @@ def test_an_optimizer_before_the_all_reduce_is_refused():
         optax.sgd(LR, momentum=0.9),
     )
     jc.optax.init(tx, params0(), mesh, AXIS)
+    # apply_if_finite around the all-reduce would deadlock (it decides per
+    # device); after it, it is fine.
+    around = optax.apply_if_finite(
+        optax.chain(jc.optax.compress_gradients("qsgd:bits=4", AXIS), optax.sgd(LR)), 3
+    )
+    with pytest.raises(ValueError, match="apply_if_finite wraps the compressed all-reduce"):
+        jc.optax.init(around, params0(), mesh, AXIS)
+    after = optax.chain(
+        jc.optax.compress_gradients("qsgd:bits=4", AXIS), optax.apply_if_finite(optax.sgd(LR), 3)
+    )
+    jc.optax.init(after, params0(), mesh, AXIS)
 
 
 def test_state_specs_refuses_a_state_from_a_plain_init():

@@ -64,10 +64,11 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
         first one counts if there are several).
     Returns:
       ``{"step", "bits_per_element", "wire_bytes", "compression_ratio",
-      "residual_norm"}``: scalars for a shard_map state, arrays with the
-      leading device axis for a pmap state (the same value on every device).
-      ``residual_norm`` is 0 unless the transformation was built with
-      ``residual_norm=True`` (see :class:`Telemetry`).
+      "residual_norm", "skipped_steps"}``: scalars for a shard_map state,
+      arrays with the leading device axis for a pmap state (the same value
+      on every device). ``residual_norm`` is 0 unless the transformation was
+      built with ``residual_norm=True``; ``skipped_steps`` counts the steps
+      whose mean gradient was not finite (see :class:`Telemetry`).
     Raises:
       ValueError: ``opt_state`` holds no ``compress_gradients`` state.
     """
@@ -274,6 +275,19 @@ def _check_order(opt_state) -> None:
     def is_node(x):
         return isinstance(x, (CompressState, PowerSGDState, OneBitAdamState, *_GRADIENT_STATISTICS))
 
+    finite_check = getattr(optax, "ApplyIfFiniteState", None)
+    if finite_check is not None:
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda y: isinstance(y, finite_check)):
+            if isinstance(x, finite_check) and _find(x.inner_state):
+                raise ValueError(
+                    "jc.optax.init: optax.apply_if_finite wraps the compressed all-reduce. It "
+                    "decides on each device's own gradient, so a device whose gradient "
+                    "overflowed skips the all-reduce that the others enter, and the job "
+                    "deadlocks. Put it after the all-reduce: optax.chain("
+                    "jc.optax.compress_gradients(codec, axis), optax.apply_if_finite(opt, k)) "
+                    "(compress_gradients leaves its state alone on a non-finite step; "
+                    "docs/training.md)."
+                )
     before = None
     for x in jax.tree.leaves(opt_state, is_leaf=is_node):
         if isinstance(x, _GRADIENT_STATISTICS) and before is None:
