@@ -94,6 +94,13 @@ CASES = [
     ("topk", {"k_per_bucket": [16, 512]}, (1029,), "float32", "normal"),
     ("topk", {"fraction": 0.01}, (0,), "float32", "normal"),
     ("signsgd", {"bucket_size": 8}, (37,), "float32", "special"),
+    ("fp8", {"format": "e4m3", "bucket_size": 8}, (37,), "float32", "special"),
+    ("fp8", {"format": "e5m2", "stochastic": True}, (300,), "bfloat16", "normal"),
+    ("mx", {"element": "e4m3"}, (37,), "float32", "special"),
+    ("mx", {"element": "e5m2"}, (37,), "float32", "normal"),
+    ("mx", {"element": "e3m2"}, (100,), "float16", "normal"),
+    ("mx", {"element": "e2m3", "stochastic": True}, (67,), "float32", "normal"),
+    ("mx", {"element": "e2m1"}, (37,), "bfloat16", "special"),
 ]
 
 # Values every codec and both backends must treat identically. NaN is the
