@@ -178,6 +178,17 @@ INVALID_CONFIGS = {
         ({"stochastic": "yes"}, "stochastic must be True or False"),
         ({"bucket_size": 12}, _B),
     ],
+    "FP8": [
+        ({"format": "e4m2"}, "format must be one of \\('e4m3', 'e5m2'\\)"),
+        ({"format": "e2m1"}, "format must be one of \\('e4m3', 'e5m2'\\)"),
+        ({"stochastic": 2}, "stochastic must be True or False"),
+        ({"bucket_size": 100}, _B),
+    ],
+    "MX": [
+        ({"element": "fp4"}, "element must be one of \\('e4m3', 'e5m2', 'e3m2', 'e2m3', 'e2m1'\\)"),
+        ({"stochastic": "yes"}, "stochastic must be True or False"),
+        ({"bucket_size": 64}, "bucket_size is the specification's block of 32 values"),
+    ],
     "Cast": [
         ({"dtype": "float32"}, "dtype must be one of \\('bfloat16', 'float16'\\)"),
         ({"dtype": "int8"}, "dtype must be one of \\('bfloat16', 'float16'\\)"),

@@ -54,10 +54,11 @@ BY_WIRE_ID = {f.wire_id: f for f in FORMATS.values()}
 _U = np.uint32
 
 
-def format_named(codec: str, name, allowed) -> Format:
-    """The format called ``name`` among ``allowed``, or a ValueError."""
-    if name not in allowed:
-        raise ValueError(f"{codec}: format must be one of {list(allowed)}, got {name!r}")
+def format_named(codec: str, param: str, name, allowed) -> Format:
+    """The format called ``name`` among ``allowed`` (the codec's parameter
+    ``param``), or a ValueError."""
+    if not isinstance(name, str) or name not in allowed:
+        raise ValueError(f"{codec}: {param} must be one of {tuple(allowed)}, got {name!r}")
     return FORMATS[name]
 
 

@@ -59,7 +59,7 @@ class FP8(BucketedCodec):
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
 
     def __post_init__(self):
-        mf.format_named("FP8", self.format, _FORMATS)
+        mf.format_named("FP8", "format", self.format, _FORMATS)
         if not isinstance(self.stochastic, (bool, np.bool_)):
             raise ValueError(f"FP8: stochastic must be True or False, got {self.stochastic!r}")
         object.__setattr__(self, "stochastic", bool(self.stochastic))

@@ -79,7 +79,7 @@ class MX(BucketedCodec):
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
 
     def __post_init__(self):
-        mf.format_named("MX", self.element, _ELEMENTS)
+        mf.format_named("MX", "element", self.element, _ELEMENTS)
         if not isinstance(self.stochastic, (bool, np.bool_)):
             raise ValueError(f"MX: stochastic must be True or False, got {self.stochastic!r}")
         object.__setattr__(self, "stochastic", bool(self.stochastic))
