@@ -96,6 +96,18 @@ ROWS = [
     Row("3LC (s=1.00), old two-phase", "threelc:sparsity=1.0", True, "two_phase", False),
     Row("3LC (s=1.50), old two-phase", "threelc:sparsity=1.5", True, "two_phase", False),
     Row("QSGD-4, old two-phase", "qsgd:bits=4", True, "two_phase", False),
+    # Block-scaled floating point: FP8 with a float32 scale per 256 values,
+    # and the OCP MX formats (an E8M0 scale per 32 values).
+    Row("FP8 E4M3", "fp8"),
+    Row("FP8 E5M2", "fp8:format=e5m2"),
+    Row("MXFP8 (E4M3)", "mx"),
+    Row("MXFP6 (E2M3)", "mx:element=e2m3"),
+    Row("MXFP4 (E2M1)", "mx:element=e2m1"),
+    Row("MXFP4 (E2M1), stochastic", "mx:element=e2m1,stochastic=true"),
+    Row("FP8 E4M3, no EF", "fp8", False),
+    Row("MXFP8 (E4M3), no EF", "mx", False),
+    Row("MXFP4 (E2M1), no EF", "mx:element=e2m1", False),
+    Row("MXFP4 (E2M1), stochastic, no EF", "mx:element=e2m1,stochastic=true", False),
     # PowerSGD (jc.optax.powersgd): low rank, all-reduced factors, warm start.
     Row("PowerSGD (rank 4)", "powersgd:rank=4"),
     Row("PowerSGD (rank 2)", "powersgd:rank=2"),
@@ -108,11 +120,19 @@ ROWS = [
 # Parity targets: accuracy at most ACC_TARGET pp below float32 and held-out
 # loss at most LOSS_TARGET % above it (mean paired differences), the accuracy
 # difference's standard error at most SE_TARGET pp.
-PARITY = ("Int8", "QSGD-4", "OneBit", "3LC (s=1.00)", "TopK (1%)", "PowerSGD (rank 4)")
+PARITY = (
+    "Int8",
+    "QSGD-4",
+    "OneBit",
+    "3LC (s=1.00)",
+    "TopK (1%)",
+    "PowerSGD (rank 4)",
+    "MXFP4 (E2M1)",
+)
 ACC_TARGET, LOSS_TARGET, SE_TARGET = 0.5, 2.0, 0.15
 # Indistinguishable from float32: |mean difference| <= 2 standard errors,
 # for the accuracy and for the loss.
-INDISTINGUISHABLE = ("bfloat16", "QSGD-8")
+INDISTINGUISHABLE = ("bfloat16", "QSGD-8", "FP8 E4M3", "MXFP8 (E4M3)")
 
 LM_ROWS = [
     Row("float32", "float32", False),
