@@ -264,6 +264,9 @@ def test_spec_strings_and_aliases():
     assert get("1bit") == get("1-bit") == jc.codecs.OneBit()
     assert get("3lc:sparsity=1.5") == jc.codecs.ThreeLC(sparsity=1.5)
     assert get("sign") == jc.codecs.SignSGD()
+    assert get("mxfp8") == jc.codecs.MX() and get("mxfp4") == jc.codecs.MX(element="e2m1")
+    assert get("mxfp6:stochastic=true") == jc.codecs.MX(element="e2m3", stochastic=True)
+    assert get("fp8:format=e5m2,bucket_size=64") == jc.codecs.FP8(format="e5m2", bucket_size=64)
     nested = get("topk:fraction=0.01,value_codec=(qsgd:bits=8,bucket_size=64)")
     assert nested == jc.codecs.TopK(
         fraction=0.01, value_codec=jc.codecs.QSGD(bits=8, bucket_size=64)

@@ -105,6 +105,9 @@ _ALIASES = {
     "1bit": ("onebit", {}),
     "3lc": ("threelc", {}),
     "sign": ("signsgd", {}),
+    "mxfp8": ("mx", {"element": "e4m3"}),
+    "mxfp6": ("mx", {"element": "e2m3"}),
+    "mxfp4": ("mx", {"element": "e2m1"}),
 }
 _ALIASES["bfloat16"] = _ALIASES["bf16"]
 _ALIASES["float16"] = _ALIASES["f16"] = _ALIASES["fp16"]
@@ -174,7 +177,8 @@ def get(name: Any, **params: Any) -> Codec:
 
     Args:
       name: a codec name (``"qsgd"``, ``"onebit"``, ...: see :func:`names`),
-        an alias (``"bf16"``, ``"fp16"``, ``"1bit"``, ``"3lc"``, ``"sign"``),
+        an alias (``"bf16"``, ``"fp16"``, ``"1bit"``, ``"3lc"``, ``"sign"``,
+        ``"mxfp8"``, ``"mxfp6"`` (E2M3), ``"mxfp4"``),
         or a spec string ``"name:key=value,key=value"`` (e.g.
         ``"qsgd:bits=4,bucket_size=512"``, ``"topk:k_per_bucket=8x512"``,
         ``"topk:fraction=0.01,value_codec=(qsgd:bits=8)"``), as
