@@ -214,3 +214,24 @@ def test_stochastic_rounding_is_unbiased(codec):
     # 1.0 -> 448: steps of 32 in [256, 448], 32/448 in real units.
     quantum = 0.25 if codec.name == "mx" else 32 / 448
     assert np.all(var <= quantum**2 / 4 + 1e-9)
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+@pytest.mark.parametrize("element", list(SPEC))
+def test_mx_non_finite_blocks_equal_the_specification(element, backend):
+    """NaN and ±inf: the block's scale is E8M0's NaN (0xFF) and it decodes to
+    NaN; the other blocks are the specification's as above."""
+    if backend == "ffi" and not jc.cpu_available():
+        pytest.skip("no CPU kernels")
+    x = _inputs(200, 5)
+    x[7], x[70], x[150] = np.nan, np.inf, -np.inf
+    codes, scales, decoded = mx_reference(x, element)
+    codec = jc.codecs.MX(element=element)
+    p = codec.encode(jnp.asarray(x), backend=backend)
+    np.testing.assert_array_equal(np.asarray(p.arrays["scales"]), scales)
+    assert (scales == 255).sum() == 3
+    finite = np.repeat(scales != 255, 32)[: x.size]
+    got_codes = np.asarray(_unpack(p.arrays["codes"], codec.format.bits))[: x.size]
+    np.testing.assert_array_equal(got_codes[finite], codes.reshape(-1)[: x.size][finite])
+    got = np.asarray(codec.decode(p, backend=backend))
+    np.testing.assert_array_equal(got, decoded)  # NaN where the reference has NaN
