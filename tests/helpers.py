@@ -56,3 +56,51 @@ def encode(x, key, codec, backend="auto"):
 @functools.partial(jax.jit, static_argnames=("backend",))
 def decode(payload, backend="auto"):
     return payload.codec.decode(payload, backend=backend)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for a jax.distributed coordinator)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(commands, envs, *, timeout: float, cwd=None) -> list[str]:
+    """Runs one process per command (``envs[i]`` its environment) at once,
+    each bounded by ``timeout`` seconds, and kills whatever is left.
+
+    Returns:
+      Every process's output (stdout and stderr together).
+    Raises:
+      AssertionError: a process failed or timed out, with its output's tail.
+    """
+    import subprocess
+
+    procs = [
+        subprocess.Popen(
+            [str(c) for c in cmd],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=timeout)[0])
+            except subprocess.TimeoutExpired:
+                p.kill()
+                outputs.append(p.communicate()[0] + f"\n[timed out after {timeout} s]")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for i, p in enumerate(procs):
+        assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-4000:]}"
+    return outputs

@@ -8,8 +8,6 @@ so are jc.optax.powersgd's."""
 
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 
 import jax
@@ -23,40 +21,20 @@ pytestmark = pytest.mark.multiprocess
 WORKER = pathlib.Path(__file__).with_name("_mp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import _mp_worker  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from helpers import free_port, run_processes  # noqa: E402
 
 
 @pytest.mark.parametrize("num", [2, 4])
 def test_psum_across_processes_matches_one_process(tmp_path, num):
     if len(jax.devices()) < num:
         pytest.skip(f"the single-process reference needs {num} devices")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(num), str(i), str(tmp_path / f"{i}.npz")],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(num)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, p in enumerate(procs):
-        assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-3000:]}"
+    run_processes(
+        [[sys.executable, WORKER, port, num, i, tmp_path / f"{i}.npz"] for i in range(num)],
+        [env] * num,
+        timeout=240,
+    )
 
     mesh = jax.make_mesh(
         (num,), ("data",), devices=jax.devices()[:num], axis_types=(jax.sharding.AxisType.Auto,)

@@ -6,12 +6,11 @@ processes x 2 devices over loopback (multiprocess tier)."""
 import os
 import pathlib
 import re
-import socket
-import subprocess
 import sys
 
 import jax
 import pytest
+from helpers import free_port, run_processes
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training-loop.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
@@ -51,12 +50,9 @@ def test_single_process_examples_run_and_train(marker, final_loss, capsys):
 def test_multiprocess_example_runs(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(_block("jax.distributed.initialize("))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for i in range(2):
-        env = {
+    port = free_port()
+    envs = [
+        {
             **os.environ,
             "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
             "JAX_PLATFORMS": "cpu",
@@ -64,23 +60,10 @@ def test_multiprocess_example_runs(tmp_path):
             "NUM_PROCESSES": "2",
             "PROCESS_ID": str(i),
         }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, (p, out) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"process {i}:\n{out[-3000:]}"
+        for i in range(2)
+    ]
+    outs = run_processes([[sys.executable, script]] * 2, envs, timeout=240)
+    for i, out in enumerate(outs):
         (line,) = [ln for ln in out.splitlines() if ln.startswith(f"process {i}: loss")]
         assert float(line.split()[-1]) < 0.1, out
     # Both processes print the same (replicated) loss.
