@@ -7,6 +7,9 @@ the per-device key and aux follow their documented rules; misuse raises.
 The two-process run is in test_train_builder_multiprocess.py.
 """
 
+import pathlib
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+
+# The examples are not part of the installed package: import them from the checkout.
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
 

@@ -84,7 +84,9 @@ def encode(t: jax.Array, f: Format, u: jax.Array | None) -> jax.Array:
     scaled = lax.bitcast_convert_type(a, jnp.float32) * _pow2(f.mbits - e)
     scaled = jnp.where(scaled < np.float32(64), scaled, np.float32(64))
     if u is None:
-        r = (scaled + np.float32(12582912.0)) - np.float32(12582912.0)
+        # Ties to even, as minifloat.h's (scaled + 1.5 * 2^23) - 1.5 * 2^23
+        # (which an XLA with fast math would fold to scaled).
+        r = jnp.round(scaled)
     else:
         r = scaled + u
     m = r.astype(jnp.int32).astype(jnp.uint32)

@@ -33,7 +33,7 @@ struct MiniFormat {
   float max_value;   // the largest finite value
 };
 
-JC_HD MiniFormat mini_format(int id) {
+JC_HD constexpr MiniFormat mini_format(int id) {
   switch (id) {
     case kE5M2: return MiniFormat{5, 2, 15, 15, 0x7bu, 57344.0f};  // 0x7c: inf, above: NaN
     case kE3M2: return MiniFormat{3, 2, 3, 4, 0x1fu, 28.0f};        // no inf, no NaN
@@ -43,7 +43,7 @@ JC_HD MiniFormat mini_format(int id) {
   }
 }
 
-JC_HD int mini_bits(const MiniFormat& f) { return 1 + f.ebits + f.mbits; }
+JC_HD constexpr int mini_bits(const MiniFormat& f) { return 1 + f.ebits + f.mbits; }
 
 // 2^k as a float32, for k in [-126, 127].
 JC_HD float pow2f(int k) { return bits_f32(static_cast<uint32_t>(k + 127) << 23); }
