@@ -39,7 +39,8 @@ __global__ void __launch_bounds__(kThreads)
                       int64_t n, int bucket_shift, int format) {
   const MiniFormat f = mini_format(format);
   grid_stride(n, [&](int64_t e) {
-    out[e] = from_f32<T>(mini_value(codes[e], f) * fp8_step(scales[e >> bucket_shift], f));
+    const float step = fp8_step(scales[e >> bucket_shift], f);
+    out[e] = from_f32<T>(step != step ? NAN : mini_value(codes[e], f) * step);  // as ffi/fp8.cc
   });
 }
 

@@ -114,6 +114,12 @@ void decode_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
     }
     const int m = nb * kMxBlock;
     for (int i = 0; i < m; ++i) values[i] = (table[codes[i]] * hi[i / kMxBlock]) * lo[i / kMxBlock];
+    // The NaN scale: the canonical NaN, whatever the codes (a NaN code times
+    // the NaN scale would give either operand's NaN, as the compiler orders
+    // the product).
+    for (int k = 0; k < nb; ++k)
+      if (a.scales[c0 + k] == 0xffu)
+        for (int i = 0; i < kMxBlock; ++i) values[k * kMxBlock + i] = NAN;
     const int64_t start = c0 * kMxBlock;
     const int64_t valid = std::min<int64_t>(m, a.n - start);
     T* dst = out + start;

@@ -106,4 +106,6 @@ class FP8(BucketedCodec):
         f = mf.FORMATS[self.format]
         step = scales * (np.float32(1) / np.float32(f.max_value))
         values = mf.value(codes.reshape(-1, self.bucket_size), f) * step[:, None]
+        # A NaN scale: the canonical NaN (fp8.cc), not whichever NaN operand.
+        values = jnp.where(jnp.isnan(step)[:, None], np.float32(np.nan), values)
         return bk.from_buckets(values, n, dtype)

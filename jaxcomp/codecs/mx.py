@@ -136,4 +136,6 @@ class MX(BucketedCodec):
         c = _unpack(codes, f.bits).reshape(-1, BLOCK)
         hi, lo = mf.scale_factors(scales)
         values = (mf.value(c, f) * hi[:, None]) * lo[:, None]
+        # The NaN scale: the canonical NaN (mx.cc), not whichever NaN operand.
+        values = jnp.where((scales == 0xFF)[:, None], np.float32(np.nan), values)
         return bk.from_buckets(values, n, dtype)
