@@ -114,7 +114,7 @@ class DataParallel:
         self.replicated = NamedSharding(mesh, P())
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self._module = None  # (graphdef, parameter template, rest) for an NNX model
-        self._steps: dict = {}
+        self._step = None  # the jitted step, built on the first call
 
     # -- state -------------------------------------------------------------
 
@@ -152,8 +152,12 @@ class DataParallel:
                 "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
                 "pytree of parameters, not an nnx.Module"
             )
+        return self._merge(params, self._module[2])
+
+    def _merge(self, params, rest):
+        """The NNX module of ``params`` (a pure dict) and the other variables."""
         nnx = _nnx()
-        graphdef, template, rest = self._module
+        graphdef, template, _ = self._module
         state = jax.tree.map(lambda a: a, template)
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state, rest)
@@ -197,13 +201,11 @@ class DataParallel:
         """
         self._check_batch(batch)
         _check_laid_out(opt_state)
-        step = self._steps.get(key is None)
-        if step is None:
-            step = self._steps[key is None] = self._build(with_key=key is not None)
+        if self._step is None:
+            self._step = self._build()
         rest = () if self._module is None else self._module[2]
-        if key is None:
-            return step(params, opt_state, batch, rest)
-        return step(params, opt_state, batch, rest, key)
+        keys = () if key is None else (key,)  # jit traces each arity once
+        return self._step(params, opt_state, batch, rest, *keys)
 
     def _check_batch(self, batch) -> None:
         leaves = jax.tree.leaves(batch)
@@ -221,13 +223,9 @@ class DataParallel:
     def _loss(self, params, rest, *args):
         if self._module is None:
             return self.loss_fn(params, *args)
-        nnx = _nnx()
-        graphdef, template, _ = self._module
-        state = jax.tree.map(lambda a: a, template)
-        nnx.replace_by_pure_dict(state, params)
-        return self.loss_fn(nnx.merge(graphdef, state, rest), *args)
+        return self.loss_fn(self._merge(params, rest), *args)
 
-    def _build(self, *, with_key: bool):
+    def _build(self):
         from jaxcomp.optax._state import _specs
 
         axes = self._axes if len(self._axes) > 1 else self._axes[0]

@@ -120,7 +120,7 @@ def uniforms(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 # ---------------------------------------------------------------------------
-# The E8M0 scale (minifloat.h: mx_scale_code, mx_inverse, mx_scale_value)
+# The E8M0 scale (minifloat.h: mx_scale_code, mx_inverse, mx_scale_hi, mx_scale_lo)
 # ---------------------------------------------------------------------------
 def scale_code(maxabs: jax.Array, f: Format) -> jax.Array:
     a = lax.bitcast_convert_type(maxabs, jnp.uint32)
