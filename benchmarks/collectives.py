@@ -130,12 +130,23 @@ def bed(procs: int, rate: str):
     burst, latency, _ = RATES[rate]
     hostname = socket.gethostname()
     hosts = [f"jcns{i}" for i in range(procs)]
+    made: list[str] = []  # torn down at the end: only what this call created
+
+    def add(ns: str) -> None:
+        r = run("ip", "netns", "add", ns, check=False)
+        if r.returncode != 0:
+            raise RuntimeError(
+                f"cannot create network namespace {ns} ({r.stderr.strip()}): is another "
+                "job's test bed up? (`ip netns list`)"
+            )
+        made.append(ns)
+
     try:
-        run("ip", "netns", "add", BRIDGE_NS)
+        add(BRIDGE_NS)
         run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
         run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
         for i, ns in enumerate(hosts):
-            run("ip", "netns", "add", ns)
+            add(ns)
             run(
                 "ip",
                 "link",
@@ -180,10 +191,10 @@ def bed(procs: int, rate: str):
             (etc / "hosts").write_text(f"127.0.0.1 localhost\n{SUBNET}.{i + 1} {hostname}\n")
         yield hosts
     finally:
-        for ns in hosts:
+        for ns in reversed(made):
             run("ip", "netns", "del", ns, check=False)
-            shutil.rmtree(pathlib.Path("/etc/netns") / ns, ignore_errors=True)
-        run("ip", "netns", "del", BRIDGE_NS, check=False)
+            if ns != BRIDGE_NS:
+                shutil.rmtree(pathlib.Path("/etc/netns") / ns, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------
