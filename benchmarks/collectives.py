@@ -125,11 +125,14 @@ def probe() -> str | None:
 
 
 @contextlib.contextmanager
-def bed(procs: int, rate: str):
-    """Namespaces ns0..ns{P-1} on a bridge, every link shaped to ``rate``."""
+def bed(procs: int, rate: str, tag: str = ""):
+    """Namespaces ns0..ns{P-1} on a bridge, every link shaped to ``rate``.
+    ``tag`` names a second bed beside the default one (its own namespaces;
+    the subnet is private to each bridge, so the addresses can repeat)."""
     burst, latency, _ = RATES[rate]
     hostname = socket.gethostname()
-    hosts = [f"jcns{i}" for i in range(procs)]
+    bridge = BRIDGE_NS + tag
+    hosts = [f"jcns{tag}{i}" for i in range(procs)]
     made: list[str] = []  # torn down at the end: only what this call created
 
     def add(ns: str) -> None:
@@ -142,9 +145,9 @@ def bed(procs: int, rate: str):
         made.append(ns)
 
     try:
-        add(BRIDGE_NS)
-        run("ip", "-n", BRIDGE_NS, "link", "add", "br0", "type", "bridge")
-        run("ip", "-n", BRIDGE_NS, "link", "set", "br0", "up")
+        add(bridge)
+        run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        run("ip", "-n", bridge, "link", "set", "br0", "up")
         for i, ns in enumerate(hosts):
             add(ns)
             run(
@@ -160,14 +163,14 @@ def bed(procs: int, rate: str):
                 "name",
                 f"vbr{i}",
                 "netns",
-                BRIDGE_NS,
+                bridge,
             )
             run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", f"veth{i}")
             run("ip", "-n", ns, "link", "set", f"veth{i}", "up")
             run("ip", "-n", ns, "link", "set", "lo", "up")
-            run("ip", "-n", BRIDGE_NS, "link", "set", f"vbr{i}", "master", "br0")
-            run("ip", "-n", BRIDGE_NS, "link", "set", f"vbr{i}", "up")
-            for netns, dev in ((ns, f"veth{i}"), (BRIDGE_NS, f"vbr{i}")):
+            run("ip", "-n", bridge, "link", "set", f"vbr{i}", "master", "br0")
+            run("ip", "-n", bridge, "link", "set", f"vbr{i}", "up")
+            for netns, dev in ((ns, f"veth{i}"), (bridge, f"vbr{i}")):
                 run(
                     "tc",
                     "-n",
@@ -193,7 +196,7 @@ def bed(procs: int, rate: str):
     finally:
         for ns in reversed(made):
             run("ip", "netns", "del", ns, check=False)
-            if ns != BRIDGE_NS:
+            if ns != bridge:
                 shutil.rmtree(pathlib.Path("/etc/netns") / ns, ignore_errors=True)
 
 
