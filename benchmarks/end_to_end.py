@@ -320,11 +320,14 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--twins"] if args.twins else [])
 
 
+TAG = "e2e"  # this script's own test bed, beside benchmarks/collectives.py's
+
+
 @contextlib.contextmanager
 def free_bed(procs: int, rate: str, wait: float):
-    """The test bed, once no other job holds its namespaces (its names are
-    fixed, and building it over another job's would tear that one down)."""
-    names = {testbed.BRIDGE_NS, *(f"jcns{i}" for i in range(procs))}
+    """The test bed (namespaces tagged ``TAG``), once no other run of this
+    script holds them."""
+    names = {testbed.BRIDGE_NS + TAG, *(f"jcns{TAG}{i}" for i in range(procs))}
     deadline = time.monotonic() + wait
     while True:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
@@ -333,9 +336,9 @@ def free_bed(procs: int, rate: str, wait: float):
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"the test bed's namespaces {sorted(busy)} stay in use")
-        print(f"waiting for namespaces {sorted(busy)} (another job's test bed)", flush=True)
+        print(f"waiting for namespaces {sorted(busy)} (another run's test bed)", flush=True)
         time.sleep(10)
-    with testbed.bed(procs, rate) as hosts:
+    with testbed.bed(procs, rate, tag=TAG) as hosts:
         yield hosts
 
 
