@@ -1,9 +1,11 @@
 // FP8 on CUDA: the targets jaxcomp_fp8_encode and jaxcomp_fp8_decode, with the
 // buffers, checks and bytes of ffi/fp8.cc. Rounding in
-// ffi/include/jaxcomp/minifloat.h (a software conversion, bit-identical to the
-// CPU's: the hardware cvt instructions of sm_89+ round the same way but do
-// not take the stochastic path), sizes and checks in ffi/include/jaxcomp/fp8.h;
-// twin in jaxcomp/codecs/fp8.py.
+// ffi/include/jaxcomp/minifloat.h: to nearest even by the conversion
+// instruction of sm_89 and later (mini_encode_rn, which keeps NaN and
+// infinity on the software path so that the bytes are the CPU's; checked on a
+// GPU only by tests/test_gpu.py), stochastically and on older devices by the
+// software conversion, bit-identical to the CPU's. Sizes and checks in
+// ffi/include/jaxcomp/fp8.h; twin in jaxcomp/codecs/fp8.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -28,8 +30,9 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t k0 = seed[0], k1 = seed[1];
   for (int e = t.lane; e < g.bucket; e += g.lanes) {
     const int64_t i = t.start + e;  // codes are padded to whole buckets
-    const float u = STOCHASTIC ? rng_uniform(k0, k1, static_cast<uint32_t>(i)) : -1.0f;
-    codes[i] = static_cast<uint8_t>(mini_encode(load1(x, i, n) * inv, f, u));
+    const float scaled = load1(x, i, n) * inv;
+    codes[i] = static_cast<uint8_t>(STOCHASTIC ? mini_encode(scaled, f, rng_uniform(k0, k1, static_cast<uint32_t>(i)))
+                                               : mini_encode_rn(scaled, f));
   }
 }
 

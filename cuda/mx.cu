@@ -2,8 +2,11 @@
 // buffers, checks and bytes of ffi/mx.cc. One warp per block of 32 values
 // (a lane per value: the max over the warp's shuffles, the codes packed by
 // the lanes that own a byte group). Rounding and the E8M0 scale in
-// ffi/include/jaxcomp/minifloat.h (software, as the CPU's), packing, sizes and
-// checks in ffi/include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
+// ffi/include/jaxcomp/minifloat.h: software, as the CPU's, except that MXFP8
+// elements rounded to nearest even take the conversion instruction of sm_89
+// and later (mini_encode_rn: the same bytes by the reasoning there, checked on
+// a GPU only by tests/test_gpu.py). Packing, sizes and checks in
+// ffi/include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -35,8 +38,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   const uint32_t scale = mx_scale_code(bits_f32(m), f);
   if (lane == 0) scales[block] = static_cast<uint8_t>(scale);
-  const float u = STOCHASTIC ? rng_uniform(seed[0], seed[1], static_cast<uint32_t>(i)) : -1.0f;
-  const uint32_t code = mini_encode(v * mx_inverse(scale), f, u);
+  const float t = v * mx_inverse(scale);
+  const uint32_t code =
+      STOCHASTIC ? mini_encode(t, f, rng_uniform(seed[0], seed[1], static_cast<uint32_t>(i))) : mini_encode_rn(t, f);
   uint8_t* out = codes + block * (kMxBlock * bits / 8);
   if (bits == 8) {
     out[lane] = static_cast<uint8_t>(code);
