@@ -1,4 +1,5 @@
-// QSGD on CUDA: the targets jaxcomp_qsgd_encode and jaxcomp_qsgd_decode, with
+// QSGD on CUDA: the targets jaxcomp_qsgd_encode, jaxcomp_qsgd_decode and
+// jaxcomp_qsgd_decode_sum, with
 // the buffers, checks and bytes of ffi/qsgd.cc. Bodies, sizes and checks in
 // ffi/include/jaxcomp/qsgd.h; twin in jaxcomp/codecs/qsgd.py. Nothing is
 // synchronized or copied to the host: the seed and the scales stay in device
@@ -80,6 +81,35 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+// The sum, in row order, of `rows` float32 payloads of n values each: every
+// group of 8 values decoded from each row as qsgd_decode_kernel decodes it
+// and added left to right (--fmad=false: no contraction), with no row
+// written out.
+__global__ void __launch_bounds__(kThreads)
+    qsgd_decode_sum_kernel(const uint8_t* __restrict__ packed, const float* __restrict__ scales,
+                           float* __restrict__ out, int64_t n, int64_t rows, int64_t row_bytes, int64_t row_buckets,
+                           int group_shift, int bits, bool vec) {
+  const int s = (1 << (bits - 1)) - 1;
+  store_groups(out, n, vec, [&](int64_t gi, float* v) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float step = qsgd_step(scales[r * row_buckets + (gi >> group_shift)], s);
+      const uint8_t* row = packed + r * row_bytes;
+      uint8_t c[8];
+      if (bits == 8) {
+        load_bytes8(row + 8 * gi, vec, c);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) c[j] = static_cast<uint8_t>(unpack_code(row + bits * gi, bits, j));
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float x = qsgd_value(c[j], step, bits);
+        v[j] = r == 0 ? x : v[j] + x;
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------
 // Handlers
 // ---------------------------------------------------------------------------
@@ -121,6 +151,31 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buf
   });
 }
 
+ffi::Error DecodeSumImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t bits, int64_t bucket) {
+  constexpr const char* op = "jaxcomp_qsgd_decode_sum";
+  const auto pd = packed.dimensions();
+  const auto sd = scales.dimensions();
+  if (pd.size() != 2 || sd.size() != 2 || pd[0] != sd[0] || out->dimensions().size() != 1)
+    return invalid(op, "expects codes [rows, bytes] and scales [rows, buckets] with the same rows, "
+                       "and a flat output");
+  const int64_t rows = pd[0];
+  const int64_t n = out->dimensions()[0];
+  if (const char* e = qsgd_check_decode(DType::kF32, n, pd[1], sd[1], bits, bucket)) return invalid(op, e);
+  if (n == 0) return ffi::Error::Success();
+  if (rows == 0) {
+    cudaMemsetAsync(out->typed_data(), 0, n * sizeof(float), stream);
+    return launched(op);
+  }
+  const uint8_t* p = packed.typed_data();
+  float* o = out->typed_data();
+  // Rows start 16-byte aligned when the codes of a row are a multiple of 16 bytes.
+  const bool vec = aligned16(p) && aligned16(o) && pd[1] % 16 == 0;
+  qsgd_decode_sum_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(p, scales.typed_data(), o, n, rows, pd[1], sd[1],
+                                                                   log2_int(bucket / 8), static_cast<int>(bits), vec);
+  return launched(op);
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
@@ -148,3 +203,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdDecode, jaxcomp::cuda::DecodeImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("bucket_size"));
 JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompCudaQsgdDecode);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdDecodeSum, jaxcomp::cuda::DecodeSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes, [rows, bytes]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale, [rows, buckets]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // the rows' sum, flat float32
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("bucket_size"));
+JAXCOMP_REGISTER("jaxcomp_qsgd_decode_sum", JaxcompCudaQsgdDecodeSum);

@@ -1,4 +1,5 @@
-// QSGD on the CPU: the targets jaxcomp_qsgd_encode and jaxcomp_qsgd_decode.
+// QSGD on the CPU: the targets jaxcomp_qsgd_encode, jaxcomp_qsgd_decode and
+// jaxcomp_qsgd_decode_sum.
 // Bodies, sizes and checks in include/jaxcomp/qsgd.h; twin in
 // jaxcomp/codecs/qsgd.py.
 //
@@ -255,7 +256,65 @@ void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
+// Decode-and-accumulate: the sum, in row order, of `rows` float32 payloads of
+// n values each (the chunks a device receives in a reduce-scatter), one
+// bucket at a time through a bucket-sized buffer, so that no row is ever
+// written out in full: out = ((row 0 + row 1) + row 2) + ..., every row
+// decoded as jaxcomp_qsgd_decode decodes it (no contraction: -ffp-contract=off).
+struct DecodeSumArgs {
+  float* out;
+  int64_t n;
+  int bucket, bits;
+  int64_t rows, row_bytes, row_buckets;
+  const uint8_t* packed;
+  const float* scales;
+};
+
+template <int BITS, bool AVX2>
+void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  const int s = (1 << (BITS - 1)) - 1;
+  std::vector<float> buf(B);
+  std::vector<uint8_t> codes(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    float* out = a.out + start;
+    for (int64_t r = 0; r < a.rows; ++r) {
+      const uint8_t* in = a.packed + r * a.row_bytes + b * (B / 8) * BITS;
+      const float scale = a.scales[r * a.row_buckets + b];
+      float* dst = r == 0 && valid == B ? out : buf.data();
+#if JC_CPU_AVX2
+      if (AVX2) {
+        avx2::decode_bucket<BITS>(in, scale, B, dst);
+      } else
+#endif
+      {
+        cpu::unpack_bucket<BITS>(in, B, codes.data());
+        const float step = qsgd_step(scale, s);
+        for (int i = 0; i < B; ++i) dst[i] = qsgd_value(codes[i], step, BITS);
+      }
+      if (r == 0) {
+        if (dst != out) std::memcpy(out, buf.data(), static_cast<size_t>(valid) * sizeof(float));
+      } else {
+        for (int64_t i = 0; i < valid; ++i) out[i] += buf[i];
+      }
+    }
+  }
+}
+
+template <bool AVX2>
+void decode_sum_buckets(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
+  switch (a.bits) {
+    case 2: return decode_sum_buckets_t<2, AVX2>(a, b0, b1);
+    case 3: return decode_sum_buckets_t<3, AVX2>(a, b0, b1);
+    case 4: return decode_sum_buckets_t<4, AVX2>(a, b0, b1);
+    default: return decode_sum_buckets_t<8, AVX2>(a, b0, b1);
+  }
+}
+
 JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
+JC_CPU_LOOP_WITH_AVX2_PATHS(decode_sum_range, DecodeSumArgs, decode_sum_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
 
 // ---------------------------------------------------------------------------
@@ -290,6 +349,32 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Bu
   });
 }
 
+ffi::Error DecodeSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t bits, int64_t bucket) {
+  constexpr const char* op = "jaxcomp_qsgd_decode_sum";
+  const auto pd = packed.dimensions();
+  const auto sd = scales.dimensions();
+  if (pd.size() != 2 || sd.size() != 2 || pd[0] != sd[0] || out->dimensions().size() != 1)
+    return invalid(op, "expects codes [rows, bytes] and scales [rows, buckets] with the same rows, "
+                       "and a flat output");
+  const int64_t rows = pd[0];
+  const int64_t n = out->dimensions()[0];
+  if (const char* e = qsgd_check_decode(DType::kF32, n, pd[1], sd[1], bits, bucket)) return invalid(op, e);
+  hint_huge_pages(out->typed_data(), static_cast<int64_t>(out->size_bytes()));
+  if (rows == 0) {
+    std::fill(out->typed_data(), out->typed_data() + n, 0.0f);
+    return ffi::Error::Success();
+  }
+  const DecodeSumArgs a{out->typed_data(), n,     static_cast<int>(bucket), static_cast<int>(bits),
+                        rows,              pd[1], sd[1],                    packed.typed_data(),
+                        scales.typed_data()};
+  PoolRunner runner(pool);
+  // The buckets per task of a plain decode, divided among the rows' work.
+  parallel_for(runner, (n + bucket - 1) / bucket, std::max<int64_t>(1, buckets_per_task(bucket) / rows),
+               [&](int64_t b0, int64_t b1) { decode_sum_range(a, b0, b1); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxcomp
 
@@ -314,3 +399,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecode, jaxcomp::DecodeImpl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("bucket_size"));
 JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompQsgdDecode);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecodeSum, jaxcomp::DecodeSumImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes, [rows, bytes]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale, [rows, buckets]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // the rows' sum, flat float32
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("bucket_size"));
+JAXCOMP_REGISTER("jaxcomp_qsgd_decode_sum", JaxcompQsgdDecodeSum);

@@ -381,3 +381,29 @@ def test_vmap_matches_per_example(codec):
         for k in single.arrays:
             _assert_same(payloads[k][i], single[k], f"entry {i}, payload[{k!r}]")
         _assert_same(outs[i], _decoder(codec, "ffi")(single), f"entry {i}, decode")
+
+
+# Decode-and-accumulate (Codec.decode_sum): the CUDA kernel's sum of the rows
+# equals the twin's and the CPU kernel's, bit for bit.
+@pytest.mark.parametrize(
+    "codec",
+    [c for cls in jaxcomp.codecs.registered() if cls.decode_sum_kernel for c in cls.examples()],
+    ids=_codec_id,
+)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_decode_sum_matches_twin_and_cpu(codec, rows):
+    xs = np.stack([_input(70001, np.float32, seed=s) for s in range(rows)])
+    keys = jax.random.split(jax.random.key(1), rows)
+    payloads = jax.jit(jax.vmap(lambda x, k: codec.encode(x, k, backend="xla")))(xs, keys)
+    outs = {
+        name: jax.jit(lambda p, b=backend: codec.decode_sum(p, backend=b))(
+            jax.device_put(payloads, dev)
+        )
+        for name, (dev, backend) in {
+            "gpu-ffi": (GPU, "ffi"),
+            "gpu-xla": (GPU, "xla"),
+            "cpu-ffi": (CPU, "ffi"),
+        }.items()
+    }
+    for name in ("gpu-ffi", "cpu-ffi"):
+        _assert_same(outs[name], outs["gpu-xla"], f"{name} decode_sum")

@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp._ffi import resolve_backend
 from jaxcomp.ops._dispatch import dispatch, ffi_call
@@ -318,6 +319,9 @@ class Codec:
     #: again. False for codecs whose decode is a scan or a scatter (3LC's
     #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
     elementwise_decode: ClassVar[bool] = True
+    #: Whether the kernels have a decode-and-accumulate target,
+    #: ``jaxcomp_<name>_decode_sum`` (see :meth:`decode_sum`).
+    decode_sum_kernel: ClassVar[bool] = False
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -626,6 +630,58 @@ class Codec:
         )
         out = self._decode(payload, resolve_backend(backend))
         return out.reshape(payload.shape)
+
+    def decode_sum(self, payloads: Payload, *, backend: str = "auto") -> jax.Array:
+        """The sum of stacked float32 payloads, decoded, in row order.
+
+        What a device does with the chunks it receives in a reduce-scatter:
+        ``((row 0 + row 1) + row 2) + ...``, every row decoded as
+        :meth:`decode` decodes it. Codecs with a decode-and-accumulate
+        kernel (:attr:`decode_sum_kernel`) never write a decoded row out;
+        the twin (and every other codec) decodes the rows, then adds them.
+
+        Args:
+          payloads: a payload of this codec whose arrays have one leading
+            axis (the rows), each row a float32 tensor's.
+          backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
+        Returns:
+          float32 ``[payloads.size]``.
+        """
+        if payloads.codec != self:
+            raise ValueError(f"{self!r}.decode_sum got a payload of {payloads.codec!r}")
+        if payloads.dtype != jnp.float32:
+            raise ValueError(f"{self!r}.decode_sum takes float32 payloads, got {payloads.dtype}")
+        n = payloads.size
+        arrays = tuple(payloads.arrays.values())
+        if arrays[0].shape[0] == 0:
+            return jnp.zeros((n,), jnp.float32)
+
+        def add_rows(rows):
+            # Not fused into the sum: XLA could contract a decoded product
+            # and the add into an FMA, which the kernels never do.
+            rows = lax.optimization_barrier(rows.reshape(-1, n).astype(jnp.float32))
+            total = rows[0]
+            for i in range(1, rows.shape[0]):
+                total = total + rows[i]
+            return total
+
+        def twin(*arrays):
+            return (
+                add_rows(
+                    jax.vmap(lambda *a: self.twin_decode(*a, n=n, dtype=jnp.float32))(*arrays)
+                ),
+            )
+
+        if not self.decode_sum_kernel:
+            return add_rows(jax.vmap(lambda p: self.decode(p, backend=backend))(payloads))
+        return self.kernel(
+            backend,
+            f"jaxcomp_{self.name}_decode_sum",
+            twin,
+            arrays,
+            (jax.ShapeDtypeStruct((n,), jnp.float32),),
+            **self.kernel_attrs(decode=True),
+        )[0]
 
     # -- for the codecs' own use ---------------------------------------------
     @staticmethod

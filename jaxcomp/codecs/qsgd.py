@@ -56,6 +56,7 @@ class QSGD(BucketedCodec):
     codec_id: ClassVar[int] = 1
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
+    decode_sum_kernel: ClassVar[bool] = True
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

@@ -17,6 +17,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._axes import describe_bound_axes
+from jaxcomp._ffi import cpu_available, cuda_available, resolve_backend
 from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.payload import Payload
 
@@ -109,9 +110,19 @@ def fused_backend(codec: Codec) -> str:
 
 def decode_sum(payload: Payload) -> jax.Array:
     """Stacked payloads (one leading axis) decoded and summed in row order
-    (float32): with an element-wise decode, one fused pass that writes only
-    the sum, not a float32 row per device."""
-    return ordered_sum(decode_rows(payload, fused_backend(payload.codec)))
+    (float32), writing only the sum, not a float32 row per device: through
+    the codec's decode-and-accumulate kernel where it has one
+    (``Codec.decode_sum_kernel``) and the kernels are built, else, with an
+    element-wise decode, in one pass that XLA fuses."""
+    codec = payload.codec
+    if (
+        codec.decode_sum_kernel
+        and payload.dtype == jnp.float32
+        and resolve_backend("auto") != "xla"
+        and (cpu_available() or cuda_available())
+    ):
+        return codec.decode_sum(payload)
+    return ordered_sum(decode_rows(payload, fused_backend(codec)))
 
 
 def decode_own(payload: Payload) -> jax.Array:
