@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import pathlib
@@ -48,12 +49,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
 BRIDGE_NS = "jcbr"
 SUBNET = "10.77.0"
+# Two-phase with its pipeline turned off (jc.collectives.PIPELINE_MAX_DEPTH
+# = 1): one segment, the encodings and decodings in sequence with the
+# transfers.
+UNPIPELINED = "two_phase (unpipelined)"
 # (codec name, params, algorithm)
 CASES = [
     ("threelc", {"sparsity": 1.0}, "two_phase"),
     ("threelc", {"sparsity": 1.0}, "allgather"),
     ("topk", {"fraction": 0.01}, "sparse"),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "two_phase"),
+    ("qsgd", {"bits": 4, "bucket_size": 512}, UNPIPELINED),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "allgather"),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "ring"),
     ("qsgd", {"bits": 8, "bucket_size": 512}, "two_phase"),
@@ -61,6 +67,9 @@ CASES = [
     ("onebit", {"bucket_size": 64}, "two_phase"),
     ("cast", {"dtype": "bfloat16"}, "two_phase"),
     ("cast", {"dtype": "bfloat16"}, "ring"),
+    ("fp8", {"format": "e4m3"}, "two_phase"),
+    ("mx", {"element": "e4m3"}, "two_phase"),
+    ("mx", {"element": "e2m1"}, "two_phase"),
 ]
 # The codecs of the optimizer-step rows (--steps), each with the defaults and
 # the algorithm `auto` picks, as users run them; "spec@algorithm" names
@@ -253,6 +262,7 @@ def worker(args: argparse.Namespace) -> None:
     mesh = join(args, "data")
 
     import jaxcomp as jc
+    from jaxcomp.collectives import _core
 
     if not args.twins and not jc.cpu_available():
         raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
@@ -292,7 +302,12 @@ def worker(args: argparse.Namespace) -> None:
             return jc.psum(x[0], "data", c, key=k, algorithm=a).value[None]
 
         case = f"{name}|{json.dumps(params)}|{alg}"
-        rows[case] = timed(shard(f))
+        if alg == UNPIPELINED:
+            f = functools.partial(f, a="two_phase")
+            pipeline, _core.PIPELINE_MAX_DEPTH = _core.PIPELINE_MAX_DEPTH, 1
+        rows[case] = timed(shard(f))  # compiled at its first call
+        if alg == UNPIPELINED:
+            _core.PIPELINE_MAX_DEPTH = pipeline
         # The bytes this process handed to each collective, as the program
         # ran (capacity tiers follow the data): one more call, logged.
         with jc.collectives.wire_log() as log:
@@ -596,7 +611,9 @@ def main() -> int:
                 name, params, alg = key.split("|")
                 codec = jc.codecs.get(name, **json.loads(params))
                 kinds = wire[key]
-                bound = jc.collectives.operand_nbytes(codec, (n,), jnp.float32, procs, alg)
+                bound = jc.collectives.operand_nbytes(
+                    codec, (n,), jnp.float32, procs, "two_phase" if alg == UNPIPELINED else alg
+                )
                 if codec.name != "threelc" and alg != "sparse":
                     assert kinds == bound, (key, kinds, bound)  # fixed rate: as accounted
                 table.append(
@@ -636,6 +653,8 @@ def main() -> int:
                 )
     if args.steps:
         return write_steps(args, n, table)
+    # lax.psum's alpha-beta time per bed: the first row of each.
+    limits = {(p, r): pr for p, r, c, a, b, t, pr, s in table if a == "lax.psum"}
     out = pathlib.Path(args.json or ROOT / "benchmarks" / "results" / "collectives.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"n_per_process": n, "rows": records}, indent=1))
@@ -647,10 +666,15 @@ def main() -> int:
         "(`jc.collectives.wire_log`; for ThreeLC, the capacity tier its data needed), the "
         "largest over processes.",
         "",
-        "| P | link | codec | algorithm | operand bytes/device | time s | alpha-beta s | speedup vs lax.psum |",
-        "|---|---|---|---|---|---|---|---|",
+        "Byte limit: the speedup the bytes allow, lax.psum's alpha-beta time over the row's; "
+        "the last column is the measured speedup as a fraction of it.",
+        "",
+        "| P | link | codec | algorithm | operand bytes/device | time s | alpha-beta s "
+        "| speedup vs lax.psum | byte limit | fraction of the byte limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *[
-            f"| {p} | {r} | `{c}` | {a} | {b} | {t:.3f} | {pr:.3f} | {s:.1f}x |"
+            f"| {p} | {r} | `{c}` | {a} | {b} | {t:.3f} | {pr:.3f} | {s:.1f}x "
+            f"| {limits[p, r] / pr:.1f}x | {s / (limits[p, r] / pr):.0%} |"
             for p, r, c, a, b, t, pr, s in table
         ],
         END,

@@ -12,6 +12,7 @@ from jax import lax
 from jaxcomp.codecs.base import Codec, Rate, as_codec
 from jaxcomp.collectives import _sparse, _util
 from jaxcomp.collectives._util import (
+    after,
     axis_size,
     chunk_len,
     chunked,
@@ -20,6 +21,7 @@ from jaxcomp.collectives._util import (
     decode_rows,
     decode_sum,
     device_key,
+    exchange,
     fold,
     fused_backend,
     own_capacity,
@@ -87,7 +89,11 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
     """Reduce-scatter of compressed chunks (all_to_all), then an allgather of
     the re-compressed reduced chunks: DeepSpeed's compressed allreduce, and
     the reduce-and-broadcast of the low-precision study (section 2.4.1).
-    The server residual is the owned chunk's (``chunk_len`` values)."""
+    The server residual is the owned chunk's (``chunk_len`` values).
+    Large tensors go through :func:`_two_phase_pipelined`."""
+    depth = pipeline_depth(codec, flat.size, size)
+    if depth > 1:
+        return _two_phase_pipelined(codec, flat, axis_name, size, key, div, state, depth)
     me = lax.axis_index(axis_name)
     n, dtype = flat.size, flat.dtype
     backend = fused_backend(codec)
@@ -123,6 +129,112 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
         stage1, lax.dynamic_slice(stage1, (start,), (c,)) + error, (start,)
     )
     return total, sent[:n], None
+
+
+# Two-phase cuts a tensor into up to this many segments, each a two-phase
+# all-reduce of its own, so that one segment's encoding and decoding run
+# while another's payloads are on the wire (see pipeline_depth); 1 turns the
+# pipeline off.
+PIPELINE_MAX_DEPTH = 4
+# ... and only where every owner's part of a segment keeps this many values
+# (below it a collective's fixed cost outweighs what the overlap saves).
+PIPELINE_MIN_VALUES = 1 << 18
+
+
+def pipeline_depth(codec: Codec, n: int, size: int) -> int:
+    """How many segments the two-phase all-reduce of ``n`` values over
+    ``size`` devices is pipelined in (1: not pipelined).
+
+    Only fixed-rate codecs that split at a granularity (one encoding of a
+    tensor cut into per-chunk payloads; variable-rate payloads travel in
+    capacity tiers chosen per call) are pipelined, in the deepest of
+    :data:`PIPELINE_MAX_DEPTH`, ..., 2 segments that divides every owner's
+    chunk into whole granules of at least :data:`PIPELINE_MIN_VALUES`
+    values. The chunks, and so the server residual's layout, are those of
+    the unpipelined algorithm.
+    """
+    g = codec.split_granularity()
+    if not g or codec.rate is Rate.VARIABLE or size < 2:
+        return 1
+    c = chunk_len(codec, n, size)
+    for depth in range(PIPELINE_MAX_DEPTH, 1, -1):
+        if c % (depth * g) == 0 and c // depth >= PIPELINE_MIN_VALUES:
+            return depth
+    return 1
+
+
+def _two_phase_pipelined(codec, flat, axis_name, size, key, div, state, depth):
+    """Two-phase in ``depth`` segments: the tensor, cut into the owners'
+    chunks as in :func:`_two_phase`, is viewed as ``[size, depth, c /
+    depth]``; segment ``s`` takes the ``s``-th part of every owner's chunk
+    and goes through its own reduce-scatter and all-gather.
+
+    XLA runs a program's operations as their inputs become ready (on the
+    CPU, the thunk executor hands independent ones to its thread pool; on
+    GPUs, collectives run on their own stream), so the next segment's
+    encoding and the previous one's decoding overlap the current one's
+    transfer. The collectives themselves go in one fixed order on every
+    device (all-to-all 0, all-to-all 1, all-gather 0, all-to-all 2, ...),
+    each one's operand tied to the previous one's result (:func:`after`).
+
+    For deterministic codecs the result and the new state are the
+    unpipelined algorithm's bit for bit (the codec splits at the segment
+    boundaries), and so is ``sent`` but for the owner's chunk under
+    one-level error feedback, where XLA may fuse the added error
+    differently (the last bit); stochastic codecs draw their bits from one
+    key per segment instead of one per tensor: other bits, of the same
+    distribution.
+    """
+    me = lax.axis_index(axis_name)
+    n, dtype = flat.size, flat.dtype
+    backend = fused_backend(codec)
+    c = chunk_len(codec, n, size)
+    part = c // depth
+    x = padded(flat, size * c).reshape(size, depth, part)
+    states = None if state is None else state.reshape(depth, part)
+    to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
+    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
+    stage1, totals, new_states, errors = [], [], [], []
+    last = None  # the result of the latest collective, to order the next one
+
+    def send(payload, op, kind):
+        nonlocal last
+        got = exchange(op, after(payload, last), kind)
+        last = got.arrays
+        return got
+
+    def finish(p2):
+        got = send(p2, gather, "all-gather")
+        totals.append(decode_rows(got, backend))  # [size, part]
+
+    pending = None  # the previous segment's reduced chunk, re-compressed
+    for s in range(depth):
+        p = codec.encode(x[:, s, :].reshape(-1), fold(key, s))
+        stage1.append(decode_own(p).reshape(size, part))
+        received = send(split(p, size), to_owner, "all-to-all")
+        if pending is not None:
+            finish(pending)
+        mine = decode_sum(received)
+        p2, _, new_state, error = owner_stage(
+            codec,
+            mine,
+            div,
+            None if states is None else states[s],
+            fold(fold(key, size), s),
+            dtype,
+        )
+        new_states.append(new_state)
+        errors.append(error)
+        pending = p2
+    finish(pending)
+    total = jnp.stack(totals, axis=1).reshape(-1)[:n]
+    sent = jnp.stack(stage1, axis=1).reshape(-1)
+    if state is not None:
+        return total, sent[:n], jnp.concatenate(new_states)
+    # One-level error feedback: the second stage's error on my chunk.
+    start = me * c
+    mine_sent = lax.dynamic_slice(sent, (start,), (c,)) + jnp.concatenate(errors)
+    return total, lax.dynamic_update_slice(sent, mine_sent, (start,))[:n], None
 
 
 def _ring(codec, flat, axis_name, size, key, div, state):
