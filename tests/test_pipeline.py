@@ -97,7 +97,7 @@ def test_deterministic_codecs_give_the_unpipelined_bits(mesh, monkeypatch, codec
 
 
 @pytest.mark.parametrize("fn", [jcc.psum, jcc.pmean], ids=["psum", "pmean"])
-def test_stochastic_codec_conserves(mesh, small_segments, fn):
+def test_stochastic_codec_conserves(mesh, small_segments, monkeypatch, fn):
     codec = jc.codecs.QSGD(bits=4, bucket_size=64)
     n = N_DEV * 2048 - 37
     assert jcc.pipeline_depth(codec, n, N_DEV) == 4
@@ -121,6 +121,10 @@ def test_stochastic_codec_conserves(mesh, small_segments, fn):
         s.astype(np.float64).sum(0) + released, div * v[0], rtol=1e-5, atol=2e-5
     )
     assert np.abs(st2).max() > 0
+    # The first compression is the unpipelined one: the same bits.
+    monkeypatch.setattr(_core, "PIPELINE_MAX_DEPTH", 1)
+    _, (_, s1, _) = _run(mesh, codec, x, fn, st)
+    assert s.tobytes() == s1.tobytes()
 
 
 def test_segments_in_the_hlo_carry_the_unpipelined_bytes(mesh, small_segments):

@@ -164,37 +164,41 @@ def pipeline_depth(codec: Codec, n: int, size: int) -> int:
 
 
 def _two_phase_pipelined(codec, flat, axis_name, size, key, div, state, depth):
-    """Two-phase in ``depth`` segments: the tensor, cut into the owners'
-    chunks as in :func:`_two_phase`, is viewed as ``[size, depth, c /
-    depth]``; segment ``s`` takes the ``s``-th part of every owner's chunk
-    and goes through its own reduce-scatter and all-gather.
+    """Two-phase in ``depth`` segments. The tensor is encoded once and its
+    payload cut per owner, as in :func:`_two_phase`; each owner's chunk is
+    then viewed as ``depth`` parts, and segment ``s`` (the ``s``-th part of
+    every owner's chunk) goes through its own all-to-all, decode-and-sum,
+    second compression and all-gather.
 
     XLA runs a program's operations as their inputs become ready (on the
     CPU, the thunk executor hands independent ones to its thread pool; on
-    GPUs, collectives run on their own stream), so the next segment's
-    encoding and the previous one's decoding overlap the current one's
-    transfer. The collectives themselves go in one fixed order on every
-    device (all-to-all 0, all-to-all 1, all-gather 0, all-to-all 2, ...),
-    each one's operand tied to the previous one's result (:func:`after`).
+    GPUs, collectives run on their own stream), so one segment's decoding
+    and second compression overlap the next one's transfer. The collectives
+    go in one fixed order on every device (all-to-all 0, all-to-all 1,
+    all-gather 0, all-to-all 2, ...), each one's operand tied to the
+    previous one's result (:func:`after`).
 
-    For deterministic codecs the result and the new state are the
-    unpipelined algorithm's bit for bit (the codec splits at the segment
-    boundaries), and so is ``sent`` but for the owner's chunk under
-    one-level error feedback, where XLA may fuse the added error
-    differently (the last bit); stochastic codecs draw their bits from one
-    key per segment instead of one per tensor: other bits, of the same
-    distribution.
+    The first compression, ``sent`` and the server residual's layout are
+    the unpipelined algorithm's. For deterministic codecs the result and the
+    new state are too, bit for bit (the codec splits at the part
+    boundaries), and so is ``sent`` but on the owner's chunk under one-level
+    error feedback, where XLA may fuse the added error differently (the last
+    bit); stochastic codecs draw the second compression's bits from one key
+    per segment: other bits, of the same distribution.
     """
     me = lax.axis_index(axis_name)
     n, dtype = flat.size, flat.dtype
     backend = fused_backend(codec)
     c = chunk_len(codec, n, size)
     part = c // depth
-    x = padded(flat, size * c).reshape(size, depth, part)
+    p = codec.encode(padded(flat, size * c), key)
+    sent = decode_own(p)  # my chunks as their owners see them
+    # [size * depth] payloads of ``part`` values, owner-major.
+    pieces = split(p, size * depth)
     states = None if state is None else state.reshape(depth, part)
     to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
     gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    stage1, totals, new_states, errors = [], [], [], []
+    totals, new_states, errors = [], [], []
     last = None  # the result of the latest collective, to order the next one
 
     def send(payload, op, kind):
@@ -207,17 +211,15 @@ def _two_phase_pipelined(codec, flat, axis_name, size, key, div, state, depth):
         got = send(p2, gather, "all-gather")
         totals.append(decode_rows(got, backend))  # [size, part]
 
-    pending = None  # the previous segment's reduced chunk, re-compressed
+    pending = None  # the previous segment's reduced part, compressed again
     for s in range(depth):
-        p = codec.encode(x[:, s, :].reshape(-1), fold(key, s))
-        stage1.append(decode_own(p).reshape(size, part))
-        received = send(split(p, size), to_owner, "all-to-all")
+        segment = pieces.map(lambda a, s=s: a.reshape(size, depth, *a.shape[1:])[:, s])
+        received = send(segment, to_owner, "all-to-all")
         if pending is not None:
             finish(pending)
-        mine = decode_sum(received)
         p2, _, new_state, error = owner_stage(
             codec,
-            mine,
+            decode_sum(received),
             div,
             None if states is None else states[s],
             fold(fold(key, size), s),
@@ -228,13 +230,12 @@ def _two_phase_pipelined(codec, flat, axis_name, size, key, div, state, depth):
         pending = p2
     finish(pending)
     total = jnp.stack(totals, axis=1).reshape(-1)[:n]
-    sent = jnp.stack(stage1, axis=1).reshape(-1)
     if state is not None:
         return total, sent[:n], jnp.concatenate(new_states)
     # One-level error feedback: the second stage's error on my chunk.
     start = me * c
-    mine_sent = lax.dynamic_slice(sent, (start,), (c,)) + jnp.concatenate(errors)
-    return total, lax.dynamic_update_slice(sent, mine_sent, (start,))[:n], None
+    mine = lax.dynamic_slice(sent, (start,), (c,)) + jnp.concatenate(errors)
+    return total, lax.dynamic_update_slice(sent, mine, (start,))[:n], None
 
 
 def _ring(codec, flat, axis_name, size, key, div, state):
