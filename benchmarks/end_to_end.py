@@ -475,7 +475,7 @@ def plot(results: dict, procs: int, path_for) -> None:
     for link, recs in results.items():
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for r in recs:
-            h = r["history"]
+            h = [x for x in r["history"] if x["step"] > 0]  # a log axis has no 0
             ax.plot(
                 [x["seconds"] for x in h],
                 [100 * x["test_accuracy"] for x in h],
@@ -484,7 +484,14 @@ def plot(results: dict, procs: int, path_for) -> None:
             )
         if recs and "target_accuracy" in recs[0]:
             ax.axhline(100 * recs[0]["target_accuracy"], color="gray", ls="--", lw=1)
-            ax.text(0, 100 * recs[0]["target_accuracy"], " target", va="bottom", color="gray")
+            ax.text(
+                0.01,
+                100 * recs[0]["target_accuracy"],
+                "target",
+                va="bottom",
+                color="gray",
+                transform=ax.get_yaxis_transform(),
+            )
         ax.set_xscale("log")
         ax.set_xlabel("wall-clock seconds of training steps (log scale)")
         ax.set_ylabel("held-out accuracy (%)")
