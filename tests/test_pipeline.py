@@ -40,6 +40,7 @@ def small_segments(monkeypatch):
     """Pipelines tensors of a few thousand values (the default threshold
     needs millions)."""
     monkeypatch.setattr(_core, "PIPELINE_MIN_VALUES", 64)
+    monkeypatch.setattr(_core, "PIPELINE_MAX_DEPTH", 4)
 
 
 def _run(mesh, codec, x, fn, state=None):
@@ -59,8 +60,10 @@ def _state(codec, n):
     return 0.1 * jax.random.normal(jax.random.key(9), (N_DEV, size))
 
 
-def test_depth_rule():
+def test_depth_rule(monkeypatch):
     qsgd = jc.codecs.QSGD(bits=4, bucket_size=512)
+    assert jcc.pipeline_depth(qsgd, 1 << 24, 4) == 1  # off by default
+    monkeypatch.setattr(_core, "PIPELINE_MAX_DEPTH", 4)
     assert jcc.pipeline_depth(qsgd, 1 << 24, 4) == 4
     assert jcc.pipeline_depth(qsgd, 1 << 20, 4) == 1  # 2^18 per owner: too small to cut
     assert jcc.pipeline_depth(qsgd, 1 << 21, 4) == 2
@@ -79,6 +82,7 @@ def test_deterministic_codecs_give_the_unpipelined_bits(mesh, monkeypatch, codec
     x = jax.random.normal(jax.random.key(1), (N_DEV, n))
     state = _state(codec, n) if with_state else None
     monkeypatch.setattr(_core, "PIPELINE_MIN_VALUES", 64)
+    monkeypatch.setattr(_core, "PIPELINE_MAX_DEPTH", 4)
     assert jcc.pipeline_depth(codec, n, N_DEV) == 4
     _, piped = _run(mesh, codec, x, fn, state)
     monkeypatch.setattr(_core, "PIPELINE_MAX_DEPTH", 1)
