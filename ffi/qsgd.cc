@@ -223,26 +223,35 @@ void encode_buckets(const EncodeArgs& a, int64_t b0, int64_t b1) {
   }
 }
 
+// One bucket's B values, decoded to float32 into out[0..B): the AVX2 path on
+// CPUs that have it, else the portable loop (the same values).
+template <int BITS, bool AVX2>
+inline void decode_bucket_f32(const uint8_t* in, float scale, int B, uint8_t* codes, float* out) {
+#if JC_CPU_AVX2
+  if (AVX2) {
+    avx2::decode_bucket<BITS>(in, scale, B, out);
+    return;
+  }
+#endif
+  cpu::unpack_bucket<BITS>(in, B, codes);
+  const float step = qsgd_step(scale, (1 << (BITS - 1)) - 1);
+  for (int i = 0; i < B; ++i) out[i] = qsgd_value(codes[i], step, BITS);
+}
+
 template <int BITS, bool AVX2>
 void decode_buckets_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  const int s = (1 << (BITS - 1)) - 1;
   std::vector<float> buf(B);
   std::vector<uint8_t> codes(B);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
     const uint8_t* in = a.packed + b * (B / 8) * BITS;
-#if JC_CPU_AVX2
-    if (AVX2 && a.dtype == DType::kF32 && valid == B) {
-      avx2::decode_bucket<BITS>(in, a.scales[b], B, static_cast<float*>(a.out) + start);
-      continue;
-    }
-#endif
-    cpu::unpack_bucket<BITS>(in, B, codes.data());
-    const float step = qsgd_step(a.scales[b], s);
-    for (int i = 0; i < B; ++i) buf[i] = qsgd_value(codes[i], step, BITS);
-    cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+    // Full float32 buckets straight into the output; the rest through buf.
+    const bool direct = a.dtype == DType::kF32 && valid == B;
+    float* dst = direct ? static_cast<float*>(a.out) + start : buf.data();
+    decode_bucket_f32<BITS, AVX2>(in, a.scales[b], B, codes.data(), dst);
+    if (!direct) cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
   }
 }
 
@@ -273,7 +282,6 @@ struct DecodeSumArgs {
 template <int BITS, bool AVX2>
 void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  const int s = (1 << (BITS - 1)) - 1;
   std::vector<float> buf(B);
   std::vector<uint8_t> codes(B);
   for (int64_t b = b0; b < b1; ++b) {
@@ -282,20 +290,11 @@ void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
     float* out = a.out + start;
     for (int64_t r = 0; r < a.rows; ++r) {
       const uint8_t* in = a.packed + r * a.row_bytes + b * (B / 8) * BITS;
-      const float scale = a.scales[r * a.row_buckets + b];
-      float* dst = r == 0 && valid == B ? out : buf.data();
-#if JC_CPU_AVX2
-      if (AVX2) {
-        avx2::decode_bucket<BITS>(in, scale, B, dst);
-      } else
-#endif
-      {
-        cpu::unpack_bucket<BITS>(in, B, codes.data());
-        const float step = qsgd_step(scale, s);
-        for (int i = 0; i < B; ++i) dst[i] = qsgd_value(codes[i], step, BITS);
-      }
+      const bool direct = r == 0 && valid == B;  // row 0 of a full bucket: the output itself
+      float* dst = direct ? out : buf.data();
+      decode_bucket_f32<BITS, AVX2>(in, a.scales[r * a.row_buckets + b], B, codes.data(), dst);
       if (r == 0) {
-        if (dst != out) std::memcpy(out, buf.data(), static_cast<size_t>(valid) * sizeof(float));
+        if (!direct) std::memcpy(out, buf.data(), static_cast<size_t>(valid) * sizeof(float));
       } else {
         for (int64_t i = 0; i < valid; ++i) out[i] += buf[i];
       }
