@@ -81,10 +81,11 @@ def test_psum_identical_conserving_and_close(mesh, codec, alg, n):
 
 @pytest.mark.parametrize("alg", [*ALGS, "sparse"])
 def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
-    """The collectives decode element-wise codecs through their twins, which
-    XLA fuses into the sum or the residual (``fused_backend``); forcing the
-    kernels everywhere gives the same results up to float32 rounding (XLA
-    may contract a decoded product and the add it feeds into one FMA)."""
+    """On GPUs the collectives decode element-wise codecs through their
+    twins, which XLA fuses into the sum or the residual (``fused_backend``:
+    "fused"; on the CPU it is the kernel): the twins fused give the
+    kernels' results up to float32 rounding (XLA may contract a decoded
+    product and the add it feeds into one FMA)."""
     if alg == "sparse":  # the dense stage's Int8 is decoded by its twin
         codecs = [jc.codecs.TopK(fraction=0.05, value_codec=jc.codecs.Int8(bucket_size=64))]
     else:
@@ -105,8 +106,10 @@ def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
     from jaxcomp.collectives import _core, _util
 
     for c in codecs:
-        fused = run(c)
         for module in (_util, _core):  # _core imported the name itself
+            monkeypatch.setattr(module, "fused_backend", lambda codec: "xla")
+        fused = run(c)
+        for module in (_util, _core):
             monkeypatch.setattr(module, "fused_backend", lambda codec: "auto")
         kernels = run(c)
         monkeypatch.undo()
@@ -451,16 +454,20 @@ def test_capacity_tiers_never_truncate(mesh, density):
 
 
 def test_capacity_tiers_in_the_hlo(mesh):
-    """The compiled program holds one all-gather per tier, each moving a
-    buffer of that tier's capacity: the bytes on the wire follow the data."""
+    """The compiled program holds one all-gather per tier, each moving one
+    byte buffer: that tier's capacity of stream, then the payload's other
+    arrays (scale, length, flag): the bytes on the wire follow the data."""
     codec, n = jc.codecs.ThreeLC(sparsity=1.0), 1 << 14
     caps = jcc.tier_capacities(codec, n)
     assert caps[-1] == codec.stream_capacity(n) and caps[0] == -(-caps[-1] // 14)
+    layout = codec.arrays(n, jnp.float32)
+    rest = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in layout.values()) - caps[-1]
+    assert 0 < rest < 16
     x = jax.random.normal(jax.random.key(0), (N_DEV, n))
     g, _ = _run(mesh, codec, "allgather", x)
     hlo = g.lower(x, KEY).compile().as_text()
     u8 = {int(d) for d in re.findall(r"u8\[8,(\d+)\][^=]*all-gather\(", hlo)}
-    assert u8 - {1} == set(caps)  # u8[1]: the overflow flag
+    assert u8 == {c + rest for c in caps}
 
 
 @pytest.mark.parametrize("data", ["zeros", "signs"])

@@ -534,12 +534,12 @@ def test_fusion_issues_few_collectives(mesh):
     default = lowered(64 << 20)
     fused, n_buckets = compiled_counts(default, 64 << 20)
     assert n_buckets == 1
-    arrays = len(codec.layout((12 * 64 * 32,), jnp.float32))
-    # two-phase: one all-to-all and one all-gather per payload array; one
-    # all-reduce for the 12 biases, and none for the telemetry by default.
-    assert fused["all-to-all"] <= arrays and fused["all-gather"] <= arrays
+    # two-phase: one all-to-all and one all-gather (a payload's arrays
+    # travel as one buffer); one all-reduce for the 12 biases, and none for
+    # the telemetry by default.
+    assert fused["all-to-all"] <= 1 and fused["all-gather"] <= 1
     assert fused["all-reduce"] == 1
-    assert sum(fused.values()) <= 2 * arrays + 1
+    assert sum(fused.values()) <= 3
 
     # The residual norm, when asked for, is one more (scalar) all-reduce.
     def all_reduces(module):
@@ -549,7 +549,7 @@ def test_fusion_issues_few_collectives(mesh):
     assert all_reduces(with_norm) == all_reduces(default) + 1
     unfused, n_buckets = compiled_counts(lowered(1), 1)
     assert n_buckets == 12
-    assert sum(unfused.values()) >= 12 * arrays
+    assert sum(unfused.values()) >= 12  # a collective per bucket at least
 
 
 _COLLECTIVE = re.compile(

@@ -312,11 +312,13 @@ class Codec:
     recompression: ClassVar[str] = "fine"
     #: Whether :meth:`twin_decode` is element-wise (each value from its own
     #: bucket's codes and statistics: no scan, no scatter). Then XLA fuses
-    #: the twin into whatever consumes the decoded tensor, and the
-    #: collectives decode a device's own payload through it for what the
-    #: device keeps (its error-feedback residual, a server residual): one
-    #: pass instead of a full-size tensor written by the kernel and read
-    #: again. False for codecs whose decode is a scan or a scatter (3LC's
+    #: the twin into whatever consumes the decoded tensor, and on GPUs the
+    #: collectives decode through it (the received payloads into their
+    #: sum, a device's own payload into its residual update): one pass
+    #: instead of a full-size tensor written by the kernel and read again.
+    #: On the CPU they use the kernels, which run several times faster
+    #: than XLA:CPU's fused loops (``jaxcomp.collectives._util.fused_backend``).
+    #: False for codecs whose decode is a scan or a scatter (3LC's
     #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
     elementwise_decode: ClassVar[bool] = True
     #: Whether the kernels have a decode-and-accumulate target,

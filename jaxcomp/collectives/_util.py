@@ -90,30 +90,59 @@ def after(x, dep):
 
 
 def decode_f32(payload: Payload, backend: str = "auto") -> jax.Array:
-    """One tensor's payload decoded, flat, in float32."""
+    """One tensor's payload decoded, flat, in float32. ``backend`` as for
+    ``Codec.decode``, or "fused" (:func:`fused_backend`)."""
+    if backend == "fused":
+        arrays = tuple(payload.arrays.values())
+
+        def run(b):
+            def decode(*a):
+                p = Payload(
+                    payload.codec,
+                    payload.shape,
+                    payload.dtype,
+                    dict(zip(payload.arrays, a, strict=True)),
+                )
+                return decode_f32(p, b)
+
+            return decode
+
+        # The kernel on the CPU, the twin (fused by XLA) elsewhere; either
+        # way "auto" still honours JAXCOMP_BACKEND=xla.
+        return lax.platform_dependent(*arrays, cpu=run("auto"), default=run("xla"))
     return payload.codec.decode(payload, backend=backend).reshape(-1).astype(jnp.float32)
 
 
 def fused_backend(codec: Codec) -> str:
-    """The backend the collectives decode with: the twin ("xla") where it is
-    element-wise (``Codec.elementwise_decode``), so that XLA fuses the
-    decode into what consumes it (a sum over the received payloads, the
-    residual update, the split into leaves) instead of the kernel writing a
-    full-size float32 tensor that is read again; the kernel ("auto")
-    otherwise. The twin gives the kernel's bits (the contract suite checks
-    it); fused, XLA may contract a decoded product and the add it feeds into
-    one FMA, so sums and residuals can differ from the kernel path's in the
-    last bit, never more (every device runs the same program, so the result
-    is still identical on every device)."""
-    return "xla" if codec.elementwise_decode else "auto"
+    """The backend the collectives decode with: "fused" where the codec's
+    decode is element-wise (``Codec.elementwise_decode``), "auto" (the
+    kernel) otherwise.
+
+    "fused" is the pure-JAX twin on GPUs (and wherever no kernel is built
+    for the platform), so that XLA fuses the decode into what consumes it
+    (a sum over the received payloads, the residual update, the split into
+    leaves) instead of the kernel writing a full-size float32 tensor that
+    is read again; and the kernel on the CPU, where XLA's fused loops of
+    the twins run several times slower than the kernels (this jaxlib's
+    CPU backend: the OneBit allgather optimizer step, 4 devices, 4 x
+    2048x2048, took 997 ms with the twins against 455 ms with the kernels,
+    and the QSGD-4 two-phase all-reduce on the emulated 1 Gbit link 288
+    against 220 ms; docs/benchmarks.md). The twin gives the kernel's bits
+    (the contract suite checks it); fused, XLA may contract a decoded
+    product and the add it feeds into one FMA, so sums and residuals can
+    differ from the kernel path's in the last bit, never more (every
+    device runs the same program, so the result is still identical on
+    every device)."""
+    return "fused" if codec.elementwise_decode else "auto"
 
 
 def decode_sum(payload: Payload) -> jax.Array:
     """Stacked payloads (one leading axis) decoded and summed in row order
     (float32), writing only the sum, not a float32 row per device: through
     the codec's decode-and-accumulate kernel where it has one
-    (``Codec.decode_sum_kernel``) and the kernels are built, else, with an
-    element-wise decode, in one pass that XLA fuses."""
+    (``Codec.decode_sum_kernel``) and the kernels are built, else through
+    :func:`fused_backend` (on GPUs, an element-wise twin decode fused into
+    the sum, one pass)."""
     codec = payload.codec
     if (
         codec.decode_sum_kernel
@@ -129,9 +158,9 @@ def decode_own(payload: Payload) -> jax.Array:
     """A payload this device made, decoded (flat, float32) for what it
     keeps: ``sent``, or a server residual ``target - decoded``.
 
-    With :func:`fused_backend`: XLA fuses the decode into the residual
-    update, so error feedback costs one pass over the gradient instead of
-    a full-size decoded tensor written and read again."""
+    With :func:`fused_backend`: on GPUs XLA fuses the decode into the
+    residual update, so error feedback costs one pass over the gradient
+    instead of a full-size decoded tensor written and read again."""
     return decode_f32(payload, fused_backend(payload.codec))
 
 
@@ -254,15 +283,61 @@ def record(kind: str, arrays) -> None:
 
 
 def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) -> Payload:
-    """Applies a data-moving collective to every payload array, moving raw
-    bits (16-bit floats as uint16)."""
+    """Applies a data-moving collective to a payload, moving raw bits.
+
+    A payload of several arrays (codes and scales) travels as one byte
+    buffer, their bytes side by side (per row for ``kind`` "all-to-all",
+    whose arrays are stacked per destination): one collective instead of
+    one per array. On the CPU test bed the second, small collective of each
+    phase cost as much as a third of the first one's time (a rendezvous of
+    every process, then gloo's rounds), for a few hundred KiB.
+    """
     record(kind, payload.arrays.values())
+    arrays = payload.arrays
+    if len(arrays) == 1 or not PACK or any(a.dtype == jnp.bool_ for a in arrays.values()):
+        return payload.map(lambda a: _move(op, a))
+    stacked = kind == "all-to-all"
+    rows = next(iter(arrays.values())).shape[0] if stacked else None
+    parts, sizes = [], []
+    for a in arrays.values():
+        b = as_bytes(a)
+        b = b.reshape(rows, -1) if stacked else b.reshape(-1)
+        parts.append(b)
+        sizes.append(b.shape[-1])
+    moved = op(jnp.concatenate(parts, axis=-1))
+    prefix = moved.shape[:-1]
+    out, start = {}, 0
+    for (name, a), size in zip(arrays.items(), sizes, strict=True):
+        piece = lax.slice_in_dim(moved, start, start + size, axis=moved.ndim - 1)
+        start += size
+        inner = a.shape[1:] if stacked else a.shape
+        out[name] = from_bytes(piece, prefix + inner, a.dtype)
+    return Payload(payload.codec, payload.shape, payload.dtype, out)
 
-    def move(a):
-        b = op(as_bits(a))
-        return b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
 
-    return payload.map(move)
+# Whether exchange packs a payload's arrays into one buffer (False: a
+# collective per array, as before; for measurements).
+PACK = True
+
+
+def _move(op, a):
+    b = op(as_bits(a))
+    return b if b.dtype == a.dtype else lax.bitcast_convert_type(b, a.dtype)
+
+
+def as_bytes(a: jax.Array) -> jax.Array:
+    """``a``'s bytes, uint8 ``a.shape + (itemsize,)`` (itemsize 1: ``a.shape``)."""
+    return a if a.dtype == jnp.uint8 else lax.bitcast_convert_type(a, jnp.uint8)
+
+
+def from_bytes(b: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+    """Inverse of :func:`as_bytes`: uint8 bytes back to ``dtype[shape]``."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.uint8:
+        return b.reshape(shape)
+    if dtype.itemsize == 1:
+        return lax.bitcast_convert_type(b.reshape(shape), dtype)
+    return lax.bitcast_convert_type(b.reshape(*shape, dtype.itemsize), dtype)
 
 
 # ---------------------------------------------------------------------------
