@@ -248,11 +248,13 @@ def conservation_error(mesh, codec, steps, error_feedback=True, algorithm="auto"
 # ---------------------------------------------------------------------------
 @pytest.mark.parametrize("codec, algorithm", CONSERVATION)
 def test_error_feedback_conserves_the_gradient_sum(mesh, mesh2d, codec, algorithm):
-    """Two-level error feedback loses nothing: over 1000 steps, the applied
-    means (times P) plus every device's residual plus the server residuals
-    (times P) equal the sum of the gradients."""
+    """Two-level error feedback loses nothing: over 1000 steps (the fast
+    tier's case per algorithm; 300 for the slow tier's every codec x
+    algorithm), the applied means (times P) plus every device's residual
+    plus the server residuals (times P) equal the sum of the gradients."""
     m = mesh2d if algorithm == "hierarchical" else mesh
-    assert conservation_error(m, codec, 1000, algorithm=algorithm) < 1e-5
+    steps = 1000 if (codec, algorithm) in FAST else 300
+    assert conservation_error(m, codec, steps, algorithm=algorithm) < 1e-5
 
 
 def test_without_error_feedback_the_sum_is_not_conserved(mesh):
