@@ -301,7 +301,7 @@ def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) 
     parts, sizes = [], []
     for a in arrays.values():
         b = as_bytes(a)
-        b = b.reshape(rows, -1) if stacked else b.reshape(-1)
+        b = b.reshape(rows, b.size // rows) if stacked else b.reshape(-1)
         parts.append(b)
         sizes.append(b.shape[-1])
     moved = op(jnp.concatenate(parts, axis=-1))
