@@ -117,6 +117,27 @@ def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(initial=1.0))
 
 
+def test_cpu_collectives_decode_with_the_kernels(mesh):
+    """On the CPU the collectives' "fused" decode lowers to the kernel (the
+    twin's fused loops are slower there); forcing the twin leaves no decode
+    custom call in the program."""
+    codec = jc.codecs.OneBit(bucket_size=64)  # element-wise, no decode-and-sum kernel
+    x = jax.random.normal(jax.random.key(0), (N_DEV, 4096))
+
+    def hlo(alg):
+        g, _ = _run(mesh, codec, alg, x)
+        return g.lower(x, KEY).compile().as_text()
+
+    from jaxcomp.collectives import _core, _util
+
+    for alg in ALGS:
+        assert "jaxcomp_onebit_decode" in hlo(alg), alg
+    with pytest.MonkeyPatch.context() as m:
+        for module in (_util, _core):
+            m.setattr(module, "fused_backend", lambda codec: "xla")
+        assert "jaxcomp_onebit_decode" not in hlo("two_phase")
+
+
 def test_elementwise_decodes_have_no_loops_or_scatters():
     """``Codec.elementwise_decode`` is a promise XLA's fusion relies on: the
     twin decode of every codec that makes it is free of loops, scans,

@@ -96,16 +96,7 @@ def decode_f32(payload: Payload, backend: str = "auto") -> jax.Array:
         arrays = tuple(payload.arrays.values())
 
         def run(b):
-            def decode(*a):
-                p = Payload(
-                    payload.codec,
-                    payload.shape,
-                    payload.dtype,
-                    dict(zip(payload.arrays, a, strict=True)),
-                )
-                return decode_f32(p, b)
-
-            return decode
+            return lambda *a: decode_f32(payload.codec.payload(a, payload.shape, payload.dtype), b)
 
         # The kernel on the CPU, the twin (fused by XLA) elsewhere; either
         # way "auto" still honours JAXCOMP_BACKEND=xla.
@@ -294,7 +285,7 @@ def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) 
     """
     record(kind, payload.arrays.values())
     arrays = payload.arrays
-    if len(arrays) == 1 or not PACK or any(a.dtype == jnp.bool_ for a in arrays.values()):
+    if len(arrays) == 1:
         return payload.map(lambda a: _move(op, a))
     stacked = kind == "all-to-all"
     rows = next(iter(arrays.values())).shape[0] if stacked else None
@@ -313,11 +304,6 @@ def exchange(op: Callable[[jax.Array], jax.Array], payload: Payload, kind: str) 
         inner = a.shape[1:] if stacked else a.shape
         out[name] = from_bytes(piece, prefix + inner, a.dtype)
     return Payload(payload.codec, payload.shape, payload.dtype, out)
-
-
-# Whether exchange packs a payload's arrays into one buffer (False: a
-# collective per array, as before; for measurements).
-PACK = True
 
 
 def _move(op, a):
