@@ -12,28 +12,30 @@ code does not, so the CPU and GPU agree bit for bit only on normal numbers.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_cases import (
+    CODECS,
+    DTYPES,
+    EMPTY_INPUT,
+    GRID_STRIDE,
+    LARGEST_BUCKET,
+    SIZES,
+    codec_id,
+    decode_sum_codecs,
+    dtype_id,
+    first_examples,
+    gpu_input,
+)
 
 import jaxcomp
-from jaxcomp.codecs import (
-    QSGD,
-    BucketedCodec,
-    Cast,
-    Codec,
-    Int8,
-    Natural,
-    OneBit,
-    Rate,
-    TernGrad,
-    ThreeLC,
-    TopK,
-)
+from jaxcomp.codecs import QSGD, Codec, ThreeLC, TopK
 
 
 def _cuda_device() -> jax.Device | None:
@@ -54,97 +56,6 @@ CPU = jax.devices("cpu")[0]
 
 pytestmark = pytest.mark.gpu
 
-# Bucket sizes cover one lane per bucket (8), several buckets per block
-# (16..1024), one per block (2048) and lanes that loop (4096).
-CODECS = [
-    QSGD(bits=2, bucket_size=128),
-    QSGD(bits=3, bucket_size=8, norm="l2"),
-    QSGD(bits=4, bucket_size=512),
-    QSGD(bits=4, bucket_size=64, norm="l2"),
-    QSGD(bits=8, bucket_size=2048, norm="l2"),
-    QSGD(bits=8, bucket_size=16),
-    QSGD(bits=2, bucket_size=4096, norm="l2"),
-    OneBit(),
-    OneBit(bucket_size=8),
-    OneBit(bucket_size=1024),
-    Int8(),
-    Int8(bucket_size=32),
-    Cast("bfloat16"),
-    Cast("float16"),
-    TernGrad(),
-    TernGrad(bucket_size=8),
-    TernGrad(bucket_size=4096),
-    Natural(),
-    Natural(bucket_size=8),
-    Natural(stochastic=False, bucket_size=16),
-    Natural(stochastic=False, bucket_size=4096),
-    ThreeLC(),
-    ThreeLC(sparsity=1.75),
-    ThreeLC(sparsity=1.5, capacity=64),
-    TopK(fraction=0.01),
-    TopK(fraction=1.0),
-    TopK(k_per_bucket=(8, 512)),
-    TopK(k_per_bucket=(100, 128)),
-    TopK(fraction=0.05, value_codec=QSGD(bits=4)),
-]
-# A codec not listed above is checked with its examples, and a bucketed one
-# also with the smallest and a looping bucket: a new codec's CUDA kernels are
-# tested here without an edit.
-_LISTED = {type(c) for c in CODECS}
-_NEW = [
-    c
-    for cls in jaxcomp.codecs.registered()
-    if cls not in _LISTED and cls.rate is not Rate.LINEAR
-    for c in cls.examples(coverage=True)
-]
-CODECS += dict.fromkeys(
-    _NEW
-    + [
-        dataclasses.replace(c, bucket_size=b)
-        for c in _NEW
-        if isinstance(c, BucketedCodec)
-        for b in (8, 4096)
-    ]
-)
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-SIZES = [1, 7, 1000, 4099, 70001]
-
-
-def _codec_id(codec: Codec) -> str:
-    """Short ids for the command line: qsgd-b4-B512-max, onebit-B64, cast-float16."""
-    if isinstance(codec, QSGD):
-        return f"qsgd-b{codec.bits}-B{codec.bucket_size}-{codec.norm}"
-    if isinstance(codec, Cast):
-        return f"cast-{codec.dtype}"
-    if isinstance(codec, Natural):
-        mode = "stoch" if codec.stochastic else "nearest"
-        return f"natural-{mode}-B{codec.bucket_size}"
-    if isinstance(codec, ThreeLC):
-        return f"threelc-s{codec.sparsity}-cap{codec.capacity}"
-    if isinstance(codec, TopK):
-        mode = (
-            f"f{codec.fraction}"
-            if codec.fraction is not None
-            else "k{}-B{}".format(*codec.k_per_bucket)
-        )
-        nested = f"-{_codec_id(codec.value_codec)}" if codec.value_codec is not None else ""
-        return f"topk-{mode}{nested}"
-    return f"{codec.name}-B{codec.bucket_size}"
-
-
-def _dtype_id(dtype) -> str:
-    return np.dtype(dtype).name
-
-
-def _input(n: int, dtype, seed: int = 0) -> np.ndarray:
-    """Normal values with an all-zero stretch (a zero-scale bucket where
-    buckets are small) and some negative zeros."""
-    rng = np.random.default_rng(seed * 1_000_003 + n)
-    x = 3.0 * rng.standard_normal(n, dtype=np.float32)
-    x[:40] = 0.0
-    x[5::97] = -0.0
-    return x.astype(dtype)
-
 
 @functools.cache
 def _encoder(codec: Codec, backend: str):
@@ -156,109 +67,146 @@ def _decoder(codec: Codec, backend: str):
     return jax.jit(lambda payload: codec.decode(payload, backend=backend))
 
 
-def _assert_same(got, want, what: str) -> None:
-    """Same dtype, shape and bytes; on a difference, names the first element."""
+def _difference(got, want) -> dict | None:
+    """None where ``got`` and ``want`` have the same dtype, shape and bytes;
+    else how many elements differ, the first few, and for float arrays the
+    largest distance in ulps (in levels for integer codes)."""
     got, want = np.asarray(got), np.asarray(want)
-    assert (got.dtype, got.shape) == (want.dtype, want.shape), (
-        f"{what}: {got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"
-    )
+    if (got.dtype, got.shape) != (want.dtype, want.shape):
+        return {"mismatch": f"{got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"}
     g, w = got.reshape(-1), want.reshape(-1)
     diff = g.view(np.uint8).reshape(g.size, -1) != w.view(np.uint8).reshape(w.size, -1)
-    if diff.any():
-        bad = np.flatnonzero(diff.any(axis=1))
-        i = int(bad[0])
-        pytest.fail(
-            f"{what}: {bad.size} of {g.size} elements differ; first at {i}: {g[i]!r} vs {w[i]!r}"
+    if not diff.any():
+        return None
+    bad = np.flatnonzero(diff.any(axis=1))
+    if g.dtype.kind == "f":
+        u = np.dtype(f"i{g.dtype.itemsize}")
+        gi, wi = g[bad].view(u).astype(np.int64), w[bad].view(u).astype(np.int64)
+        both_nan = np.isnan(g[bad]) & np.isnan(w[bad])
+        dist = np.where(both_nan, 0, np.abs(gi - wi))
+    else:
+        dist = np.abs(g[bad].astype(np.int64) - w[bad].astype(np.int64))
+    return {
+        "count": int(bad.size),
+        "of": int(g.size),
+        "max_distance": int(dist.max()),
+        "first": [[int(i), repr(g[i]), repr(w[i])] for i in bad[:4]],
+    }
+
+
+def _report(differences: dict[str, dict]) -> None:
+    """Fails with every difference found (and, where JAXCOMP_GPU_DIFFS names a
+    folder, appends them there as JSON lines for the GPU run's logs)."""
+    if not differences:
+        return
+    folder = os.environ.get("JAXCOMP_GPU_DIFFS")
+    if folder:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+        with open(os.path.join(folder, f"{os.getpid()}.jsonl"), "a") as f:
+            for what, d in differences.items():
+                f.write(json.dumps({"test": test, "what": what, **d}) + "\n")
+    pytest.fail(
+        "; ".join(
+            f"{what}: {d['count']} of {d['of']} differ (max {d['max_distance']}), "
+            f"first {d['first'][0]}"
+            if "count" in d
+            else f"{what}: {d['mismatch']}"
+            for what, d in differences.items()
         )
+    )
+
+
+def _assert_same(got, want, what: str) -> None:
+    d = _difference(got, want)
+    _report({what: d} if d else {})
 
 
 def _on(device: jax.Device, *arrays):
     return [jax.device_put(a, device) for a in arrays]
 
 
-def _check_codec(codec: Codec, dtype, n: int) -> None:
-    """Encodes and decodes on (GPU, ffi), (GPU, xla) and (CPU, ffi); all bytes equal."""
-    x = _input(n, dtype)
-    key = jax.random.key(n)
-    runs = {
-        "gpu-ffi": (GPU, "ffi"),
-        "gpu-xla": (GPU, "xla"),
-        "cpu-ffi": (CPU, "ffi"),
-    }
-    payloads = {
-        name: _encoder(codec, backend)(*_on(dev, x, key)) for name, (dev, backend) in runs.items()
-    }
+RUNS = {"gpu-ffi": (GPU, "ffi"), "gpu-xla": (GPU, "xla"), "cpu-ffi": (CPU, "ffi")}
 
-    ref = payloads["gpu-xla"]
-    for name in ("gpu-ffi", "cpu-ffi"):
+
+def _check_encodes(codec: Codec, x: np.ndarray, key, decode: bool = False) -> None:
+    """The payloads of the CUDA kernel and the twin on the GPU against the
+    CPU kernel's (and, with ``decode``, the CPU kernel's payload decoded the
+    three ways)."""
+    payloads = {
+        name: _encoder(codec, backend)(*_on(dev, x, key)) for name, (dev, backend) in RUNS.items()
+    }
+    ref = payloads["cpu-ffi"]
+    differences = {
+        f"{name} encode [{k}]": d
+        for name in ("gpu-ffi", "gpu-xla")
+        for k in ref.arrays
+        if (d := _difference(payloads[name][k], ref[k]))
+    }
+    if decode:
+        outs = {
+            name: _decoder(codec, backend)(jax.device_put(ref, dev))
+            for name, (dev, backend) in RUNS.items()
+        }
+        differences |= {
+            f"{name} decode": d
+            for name in ("gpu-ffi", "gpu-xla")
+            if (d := _difference(outs[name], outs["cpu-ffi"]))
+        }
+    _report(differences)
+
+
+def _check_codec(codec: Codec, dtype, n: int) -> None:
+    """Encodes on (GPU, ffi), (GPU, xla) and (CPU, ffi) and compares the GPU
+    payloads with the CPU kernel's; then decodes the CPU kernel's payload
+    the three ways and compares the outputs. Every difference is reported."""
+    x = gpu_input(n, dtype)
+    key = jax.random.key(n)
+    payloads = {
+        name: _encoder(codec, backend)(*_on(dev, x, key)) for name, (dev, backend) in RUNS.items()
+    }
+    ref = payloads["cpu-ffi"]
+    differences = {}
+    for name in ("gpu-ffi", "gpu-xla"):
         assert payloads[name].arrays.keys() == ref.arrays.keys()
         for k in ref.arrays:
-            _assert_same(payloads[name][k], ref[k], f"{name} encode, payload[{k!r}]")
+            if d := _difference(payloads[name][k], ref[k]):
+                differences[f"{name} encode [{k}]"] = d
     for k, a in payloads["gpu-ffi"].arrays.items():
         assert a.devices() == {GPU}, f"payload[{k!r}] left the GPU"
 
-    # Each decoder reads the payload made on its own device (all equal by now).
     outs = {
-        name: _decoder(codec, backend)(jax.device_put(payloads[name], dev))
-        for name, (dev, backend) in runs.items()
+        name: _decoder(codec, backend)(jax.device_put(ref, dev))
+        for name, (dev, backend) in RUNS.items()
     }
-    for name in ("gpu-ffi", "cpu-ffi"):
-        _assert_same(outs[name], outs["gpu-xla"], f"{name} decode")
+    for name in ("gpu-ffi", "gpu-xla"):
+        if d := _difference(outs[name], outs["cpu-ffi"]):
+            differences[f"{name} decode"] = d
     assert outs["gpu-ffi"].shape == x.shape
     assert outs["gpu-ffi"].dtype == jnp.dtype(dtype)
+    _report(differences)
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize("codec", CODECS, ids=_codec_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", CODECS, ids=codec_id)
 def test_kernels_match_twin_and_cpu(codec, dtype, n):
     _check_codec(codec, dtype, n)
 
 
-# The largest bucket: one bucket per block, each lane reducing 256 values
-# before the shared-memory levels.
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
-@pytest.mark.parametrize(
-    "codec",
-    [
-        QSGD(bits=4, bucket_size=65536, norm="l2"),
-        QSGD(bits=8, bucket_size=65536),
-        OneBit(bucket_size=65536),
-        Int8(bucket_size=65536),
-        TernGrad(bucket_size=65536),
-        Natural(bucket_size=65536),
-    ],
-    ids=_codec_id,
-)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("codec", LARGEST_BUCKET, ids=codec_id)
 def test_largest_bucket(codec, dtype):
     _check_codec(codec, dtype, 3 * 65536 + 4099)
 
 
-# More groups of 8 than the decode and cast grids have threads (8192 blocks of
-# 256), so their grid-stride loops go round more than once.
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "codec", [QSGD(), OneBit(), Int8(), Cast("bfloat16"), TernGrad(), Natural()], ids=_codec_id
-)
+@pytest.mark.parametrize("codec", GRID_STRIDE, ids=codec_id)
 def test_grid_stride(codec):
-    _check_codec(codec, jnp.float32, (1 << 24) + 8 * 1000 + 3)
+    _check_codec(codec, "float32", (1 << 24) + 8 * 1000 + 3)
 
 
-@pytest.mark.parametrize(
-    "codec",
-    [
-        QSGD(),
-        OneBit(),
-        Int8(),
-        Cast("float16"),
-        TernGrad(),
-        Natural(stochastic=False),
-        TopK(),
-        TopK(k_per_bucket=(8, 512)),
-    ],
-    ids=_codec_id,
-)
-def test_empty_input(codec):
+@pytest.mark.parametrize("codec", EMPTY_INPUT, ids=codec_id)
+def test_emptygpu_input(codec):
     x, key = _on(GPU, np.zeros((0,), np.float32), jax.random.key(0))
     payload = _encoder(codec, "ffi")(x, key)
     for k, a in payload.arrays.items():
@@ -270,7 +218,7 @@ def test_empty_input(codec):
 def test_ffi_backend_runs_the_cuda_kernels():
     """backend="ffi" on the GPU compiles to the custom calls, not to the twins."""
     codec = QSGD(bits=4, bucket_size=512)
-    x, key = _on(GPU, _input(4099, np.float32), jax.random.key(0))
+    x, key = _on(GPU, gpu_input(4099, np.float32), jax.random.key(0))
     hlo = _encoder(codec, "ffi").lower(x, key).compile().as_text()
     assert 'custom_call_target="jaxcomp_qsgd_encode"' in hlo
     payload = _encoder(codec, "ffi")(x, key)
@@ -303,24 +251,12 @@ def _threelc_block_runs(n: int) -> np.ndarray:
 def test_threelc_runs_across_blocks(s):
     for x in [_threelc_block_runs(5 * 4096 * 9 + 3), np.zeros(5 * 4096 * 3 + 1, np.float32)]:
         codec = ThreeLC(sparsity=s)
-        payloads = {
-            "gpu-ffi": _encoder(codec, "ffi")(*_on(GPU, x, jax.random.key(0))),
-            "gpu-xla": _encoder(codec, "xla")(*_on(GPU, x, jax.random.key(0))),
-            "cpu-ffi": _encoder(codec, "ffi")(*_on(CPU, x, jax.random.key(0))),
-        }
-        for name in ("gpu-ffi", "cpu-ffi"):
-            for k in payloads["gpu-xla"].arrays:
-                _assert_same(payloads[name][k], payloads["gpu-xla"][k], f"{name} payload[{k!r}]")
-        _assert_same(
-            _decoder(codec, "ffi")(payloads["gpu-ffi"]),
-            _decoder(codec, "xla")(payloads["gpu-xla"]),
-            "decode",
-        )
+        _check_encodes(codec, x, jax.random.key(0), decode=True)
 
 
 def test_threelc_corrupted_stream_is_nan_on_gpu():
     codec = ThreeLC()
-    x = _input(3001, np.float32)
+    x = gpu_input(3001, np.float32)
     p = _encoder(codec, "ffi")(*_on(GPU, x, jax.random.key(0)))
     used = int(p["length"][0])
     stream = np.asarray(p["stream"])
@@ -342,22 +278,17 @@ def test_threelc_corrupted_stream_is_nan_on_gpu():
 
 # TopK: ties at the threshold spread over many tiles of the emit kernel, and
 # k that falls inside the ones (0.3) or the twos (0.05); buckets of 65536.
-@pytest.mark.parametrize("dtype", DTYPES, ids=_dtype_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 @pytest.mark.parametrize(
     "codec",
     [TopK(fraction=0.05), TopK(fraction=0.3), TopK(k_per_bucket=(700, 65536))],
-    ids=_codec_id,
+    ids=codec_id,
 )
 def test_topk_ties_across_tiles(codec, dtype):
     n = 3 * 65536 + 4099
     rng = np.random.default_rng(5)
     x = np.where(rng.random(n) < 0.1, -2.0, 1.0).astype(dtype)
-    runs = {"gpu-ffi": (GPU, "ffi"), "gpu-xla": (GPU, "xla"), "cpu-ffi": (CPU, "ffi")}
-    key = jax.random.key(0)
-    payloads = {name: _encoder(codec, b)(*_on(dev, x, key)) for name, (dev, b) in runs.items()}
-    for name in ("gpu-ffi", "cpu-ffi"):
-        for k in payloads["gpu-xla"].arrays:
-            _assert_same(payloads[name][k], payloads["gpu-xla"][k], f"{name} payload[{k!r}]")
+    _check_encodes(codec, x, jax.random.key(0))
 
 
 # Batched calls: under jax.vmap each kernel runs as one custom call over
@@ -365,12 +296,11 @@ def test_topk_ties_across_tiles(codec, dtype):
 # entry must get the bytes of an unbatched call.
 @pytest.mark.parametrize(
     "codec",
-    [cls.examples()[0] for cls in jaxcomp.codecs.registered() if cls.rate is not Rate.LINEAR]
-    + [TopK(fraction=0.05, value_codec=QSGD(bits=4))],
-    ids=_codec_id,
+    first_examples(),
+    ids=codec_id,
 )
 def test_vmap_matches_per_example(codec):
-    xs = np.stack([_input(4099, np.float32, seed=s) for s in range(3)])
+    xs = np.stack([gpu_input(4099, np.float32, seed=s) for s in range(3)])
     keys = jax.random.split(jax.random.key(0), 3)
     encode = jax.jit(jax.vmap(lambda x, k: codec.encode(x, k, backend="ffi")))
     decode = jax.jit(jax.vmap(lambda p: codec.decode(p, backend="ffi")))
@@ -387,23 +317,24 @@ def test_vmap_matches_per_example(codec):
 # equals the twin's and the CPU kernel's, bit for bit.
 @pytest.mark.parametrize(
     "codec",
-    [c for cls in jaxcomp.codecs.registered() if cls.decode_sum_kernel for c in cls.examples()],
-    ids=_codec_id,
+    decode_sum_codecs(),
+    ids=codec_id,
 )
 @pytest.mark.parametrize("rows", [1, 4])
 def test_decode_sum_matches_twin_and_cpu(codec, rows):
-    xs = np.stack([_input(70001, np.float32, seed=s) for s in range(rows)])
+    xs = np.stack([gpu_input(70001, np.float32, seed=s) for s in range(rows)])
     keys = jax.random.split(jax.random.key(1), rows)
     payloads = jax.jit(jax.vmap(lambda x, k: codec.encode(x, k, backend="xla")))(xs, keys)
     outs = {
         name: jax.jit(lambda p, b=backend: codec.decode_sum(p, backend=b))(
             jax.device_put(payloads, dev)
         )
-        for name, (dev, backend) in {
-            "gpu-ffi": (GPU, "ffi"),
-            "gpu-xla": (GPU, "xla"),
-            "cpu-ffi": (CPU, "ffi"),
-        }.items()
+        for name, (dev, backend) in RUNS.items()
     }
-    for name in ("gpu-ffi", "cpu-ffi"):
-        _assert_same(outs[name], outs["gpu-xla"], f"{name} decode_sum")
+    _report(
+        {
+            f"{name} decode_sum": d
+            for name in ("gpu-ffi", "gpu-xla")
+            if (d := _difference(outs[name], outs["cpu-ffi"]))
+        }
+    )
