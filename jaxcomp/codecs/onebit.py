@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, register
 from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
 
 
@@ -52,7 +53,7 @@ class OneBit(BucketedCodec):
 
     def twin_encode(self, x):
         n = x.size
-        xb = bk.to_buckets(x, self.bucket_size)
+        xb = bk.daz(bk.to_buckets(x, self.bucket_size))  # as the kernels' arithmetic reads it
         p = xb >= 0  # NaN goes to the negative side and poisons avg-
         valid = jnp.arange(xb.size).reshape(xb.shape) < n
         npos = jnp.sum(p & valid, axis=1, dtype=jnp.uint32)
@@ -74,4 +75,7 @@ class OneBit(BucketedCodec):
 # ---------------------------------------------------------------------------
 def _mean(total: jax.Array, count: jax.Array) -> jax.Array:
     positive = count > 0
-    return jnp.where(positive, total / jnp.where(positive, count, 1).astype(jnp.float32), 0.0)
+    # Correctly rounded on every platform (XLA's GPU division is not): ops/ieee.py.
+    return jnp.where(
+        positive, ieee.div(total, jnp.where(positive, count, 1).astype(jnp.float32)), 0.0
+    )

@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, check_int, register
 from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
 from jaxcomp.ops.rng import rng_uniform
 
@@ -127,11 +128,12 @@ class QSGD(BucketedCodec):
 # ---------------------------------------------------------------------------
 def encode_ref(x: jax.Array, seed: jax.Array, bits: int, bucket: int, l2: bool):
     s = (1 << (bits - 1)) - 1
-    xb = bk.to_buckets(x, bucket)
+    raw = bk.to_buckets(x, bucket)
+    xb = bk.daz(raw)  # the kernels' arithmetic reads subnormals as zeros
     if l2:
-        scale = jnp.sqrt(bk.tree_sum(bk.exact_square(xb)))
+        scale = ieee.sqrt(bk.tree_sum(bk.exact_square(xb)))  # correctly rounded: ops/ieee.py
     else:
-        scale = bk.max_abs(xb)
+        scale = bk.max_abs(raw)
     inv = bk.safe_recip(scale, s)
     r = jnp.abs(xb) * inv[:, None]
     r = jnp.where(r < s, r, np.float32(s))

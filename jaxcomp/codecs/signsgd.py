@@ -57,7 +57,7 @@ class SignSGD(BucketedCodec):
 
     def twin_encode(self, x):
         n, b = x.size, self.bucket_size
-        xb = bk.to_buckets(x, b)
+        xb = bk.daz(bk.to_buckets(x, b))  # as the kernels' arithmetic reads it
         # signsgd.h: the halving-tree sum of |v| times 1 / count, each rounded
         # once (a quotient by a constant count would not survive XLA, which
         # may turn it into a product by the rounded reciprocal).

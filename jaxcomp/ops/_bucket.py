@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.ops import ieee
+
 
 def num_buckets(n: int, bucket: int) -> int:
     return -(-n // bucket)
@@ -23,6 +25,20 @@ def to_buckets(x: jax.Array, bucket: int) -> jax.Array:
 def from_buckets(buckets: jax.Array, n: int, dtype: jnp.dtype) -> jax.Array:
     """(num_buckets, bucket) float32 -> flat output of n elements in dtype."""
     return buckets.reshape(-1)[:n].astype(dtype)
+
+
+def daz(x: jax.Array) -> jax.Array:
+    """float32 subnormals as zeros of their sign: what the kernels' float
+    arithmetic and comparisons read (the CPU's DAZ mode, nvcc's --ftz=true,
+    docs/codecs.md "One answer"). XLA's CPU code reads them so itself; XLA's
+    GPU code keeps them, so the twins pass the values they compute with or
+    compare through this (never what they only read as bits, such as
+    max_abs's input)."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    signed_zero = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0x80000000), jnp.float32
+    )
+    return jnp.where(jnp.abs(x) < tiny, signed_zero, x)
 
 
 def max_abs(buckets: jax.Array) -> jax.Array:
@@ -51,6 +67,9 @@ def exact_square(x: jax.Array) -> jax.Array:
 
 
 def safe_recip(scale: jax.Array, numerator: float) -> jax.Array:
-    """numerator / scale where scale > 0, else 0 (qsgd.h: qsgd_inv, int8.h: int8_inv)."""
+    """numerator / scale where scale > 0, else 0 (qsgd.h: qsgd_inv, int8.h: int8_inv),
+    correctly rounded on every platform (ops/ieee.py)."""
     positive = scale > 0
-    return jnp.where(positive, np.float32(numerator) / jnp.where(positive, scale, 1.0), 0.0)
+    return jnp.where(
+        positive, ieee.div(np.float32(numerator), jnp.where(positive, scale, 1.0)), 0.0
+    )
