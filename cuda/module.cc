@@ -5,7 +5,10 @@
 // It is a separate, host-compiled file so that nanobind is built by the
 // compiler it targets rather than by nvcc's front end.
 #include "jaxcomp/registry.h"
+#include <string>
+
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
 
 namespace nb = nanobind;
 
@@ -15,4 +18,5 @@ NB_MODULE(_jaxcomp_cuda, m) {
     for (const jaxcomp::HandlerEntry& e : jaxcomp::unique_handlers()) d[e.name] = nb::capsule(e.handler);
     return d;
   });
+  m.def("source_hash", []() { return std::string(JAXCOMP_SOURCE_HASH); }, "Hash of the kernel sources built.");
 }

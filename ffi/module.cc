@@ -30,4 +30,5 @@ NB_MODULE(_jaxcomp_cpu, m) {
     return d;
   });
   m.def("isa", []() { return std::string(isa()); }, "Instruction set the CPU kernels use.");
+  m.def("source_hash", []() { return std::string(JAXCOMP_SOURCE_HASH); }, "Hash of the kernel sources built.");
 }

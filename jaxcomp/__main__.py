@@ -20,9 +20,7 @@ def _demo(args: argparse.Namespace) -> int:
     key = jax.random.key(args.seed)
     xs = np.asarray(x, np.float64)
     print(f"jaxcomp {jc.__version__}: compressing a gradient-like float32 tensor of {n} elements")
-    print(
-        f"CPU kernels: {'built (' + str(jc._ffi.cpu_isa()) + ')' if jc.cpu_available() else 'not built'}\n"
-    )
+    print(f"{jc._ffi.kernels_line()}\n")
     header = f"{'codec':58s} {'bits/elt':>8s} {'ratio':>7s} {'wire bytes':>11s} {'rel. error':>10s} {'ffi == xla':>10s}"
     print(header)
     print("-" * len(header))
@@ -31,8 +29,8 @@ def _demo(args: argparse.Namespace) -> int:
         y = np.asarray(jax.jit(lambda p, c=codec: c.decode(p))(p), np.float64)
         err = np.linalg.norm(y - xs) / np.linalg.norm(xs)
         same = "-"
-        if jc.cpu_available():
-            q = codec.encode(x, key, backend="xla")
+        if jc.cpu_available() or jc.cuda_available():
+            q = jax.jit(lambda x, k, c=codec: c.encode(x, k, backend="xla"))(x, key)
             same = (
                 "yes"
                 if all(np.asarray(p[k]).tobytes() == np.asarray(q[k]).tobytes() for k in p.arrays)
@@ -80,7 +78,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"jaxcomp {jc.__version__}")
     for k, v in environment().items():
         print(f"{k}: {v}")
-    print(f"cuda kernels: {'built' if jc.cuda_available() else 'not built'}")
+    print(f"kernels: {jc._ffi.kernels_line()}")
     print(f"codecs: {', '.join(jc.codecs.names())}")
     return 0
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from jaxcomp._ffi import cpu_available, cuda_available, resolve_backend
+from jaxcomp._ffi import cpu_available, cuda_available, kernels_line, resolve_backend
 
 
 def ffi_call(
@@ -60,8 +60,8 @@ def dispatch(
     if backend == "ffi":
         if not (cpu or cuda):
             raise RuntimeError(
-                "backend='ffi' but the jaxcomp kernels are not built; reinstall the "
-                "package (pip install .) or use backend='xla'"
+                f"backend='ffi' but no jaxcomp kernels are loaded: {kernels_line()}. "
+                "Use backend='xla' for the pure-JAX twins"
             )
         return tuple(kernel(*args))
     if any(a.size == 0 for a in args if hasattr(a, "size")):
