@@ -1,19 +1,36 @@
-"""Test configuration: 8 simulated host devices, shared codec lists."""
+"""Test configuration: 8 simulated host devices, JAX's default platform the
+CPU also where a GPU is present, shared codec lists."""
 
+import importlib.metadata
 import os
+import re
 
-# Must happen before jax is imported anywhere.
+
+def _cuda_machine() -> bool:
+    """A CUDA plugin for jax is installed and an NVIDIA device is present."""
+    plugin = any(
+        re.fullmatch(r"jax[-_]cuda\d+[-_]plugin", d.metadata["Name"] or "")
+        for d in importlib.metadata.distributions()
+    )
+    return plugin and os.path.exists("/dev/nvidiactl")
+
+
+# Must happen before jax is imported anywhere. The suite's arrays, meshes and
+# subprocesses live on the CPU, as on a machine without a GPU; the tests of
+# the GPU (test_gpu.py and the `gpu` marker) ask for jax.devices("cuda").
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if "JAX_PLATFORMS" not in os.environ and _cuda_machine():
+    os.environ["JAX_PLATFORMS"] = "cpu,cuda"
 
-import jax
-import pytest
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
-import jaxcomp as jc
+import jaxcomp as jc  # noqa: E402
 
 if os.environ.get("JAXCOMP_REQUIRE_KERNELS") == "1" and not jc.cpu_available():
     raise RuntimeError(
         "JAXCOMP_REQUIRE_KERNELS=1 but the CPU kernels are not importable: the tests would "
-        "silently run the pure-JAX twins only (is the source tree shadowing the installed package?)"
+        f"silently run the pure-JAX twins only: {jc._ffi.kernels_line()}"
     )
 
 

@@ -1,13 +1,13 @@
-"""The CUDA kernels against their pure-JAX twins and the CPU kernels, byte for byte.
+"""The CUDA kernels and the twins compiled for the GPU against the CPU kernels, byte for byte.
 
 For each codec, dtype and size, the payload is encoded three ways (CUDA
-kernel, jnp twin on the GPU, CPU kernel) and every payload array must be
-bit-identical; each is then decoded the same three ways and the outputs must be
-bit-identical too. The module skips where JAX sees no CUDA GPU or jaxcomp was
-built without its CUDA module (``JAXCOMP_CUDA=ON pip install .``).
-
-The inputs avoid float32 denormals: XLA's CPU runtime flushes them and its GPU
-code does not, so the CPU and GPU agree bit for bit only on normal numbers.
+kernel, twin on the GPU, CPU kernel) and the GPU payloads must equal the CPU
+kernel's, array by array; the CPU kernel's payload is then decoded the three
+ways and the outputs must be equal too (NaNs as NaNs: docs/codecs.md, "One
+answer"). The golden vectors hold on the GPU, special values included, and
+the collectives and a train step run on a one-GPU mesh. The module skips
+where JAX sees no CUDA GPU or jaxcomp was built without its CUDA module
+(``JAXCOMP_CUDA=ON pip install .``); its case lists are in gpu_cases.py.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -33,9 +34,11 @@ from gpu_cases import (
     first_examples,
     gpu_input,
 )
+from jax.sharding import PartitionSpec as P
 
 import jaxcomp
-from jaxcomp.codecs import QSGD, Codec, ThreeLC, TopK
+from jaxcomp import wire
+from jaxcomp.codecs import QSGD, Codec, Int8, OneBit, Rate, ThreeLC, TopK
 
 
 def _cuda_device() -> jax.Device | None:
@@ -75,11 +78,11 @@ def _difference(got, want) -> dict | None:
     if (got.dtype, got.shape) != (want.dtype, want.shape):
         return {"mismatch": f"{got.dtype}{list(got.shape)} vs {want.dtype}{list(want.shape)}"}
     g, w = got.reshape(-1), want.reshape(-1)
-    diff = g.view(np.uint8).reshape(g.size, -1) != w.view(np.uint8).reshape(w.size, -1)
+    diff = (g.view(np.uint8) != w.view(np.uint8)).reshape(g.size, g.dtype.itemsize)
     if not diff.any():
         return None
     bad = np.flatnonzero(diff.any(axis=1))
-    if g.dtype.kind == "f":
+    if jnp.issubdtype(g.dtype, jnp.floating):
         u = np.dtype(f"i{g.dtype.itemsize}")
         gi, wi = g[bad].view(u).astype(np.int64), w[bad].view(u).astype(np.int64)
         both_nan = np.isnan(g[bad]) & np.isnan(w[bad])
@@ -92,6 +95,21 @@ def _difference(got, want) -> dict | None:
         "max_distance": int(dist.max()),
         "first": [[int(i), repr(g[i]), repr(w[i])] for i in bad[:4]],
     }
+
+
+def _same_but_nan_bits(got, want) -> dict | None:
+    """As _difference, with a NaN against a NaN equal whatever their bits:
+    the bits of a NaN that arithmetic creates are not yet one rule across
+    the platforms (x86 writes 0xffc00000 for an invalid operation, NVIDIA
+    GPUs 0x7fffffff; docs/codecs.md, "One answer")."""
+    got, want = np.asarray(got), np.asarray(want)
+    if jnp.issubdtype(got.dtype, jnp.floating) and got.shape == want.shape:
+        both = np.isnan(got) & np.isnan(want)
+        got, want = (
+            np.where(both, 0, got).astype(got.dtype),
+            np.where(both, 0, want).astype(got.dtype),
+        )
+    return _difference(got, want)
 
 
 def _report(differences: dict[str, dict]) -> None:
@@ -150,7 +168,7 @@ def _check_encodes(codec: Codec, x: np.ndarray, key, decode: bool = False) -> No
         differences |= {
             f"{name} decode": d
             for name in ("gpu-ffi", "gpu-xla")
-            if (d := _difference(outs[name], outs["cpu-ffi"]))
+            if (d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]))
         }
     _report(differences)
 
@@ -179,7 +197,7 @@ def _check_codec(codec: Codec, dtype, n: int) -> None:
         for name, (dev, backend) in RUNS.items()
     }
     for name in ("gpu-ffi", "gpu-xla"):
-        if d := _difference(outs[name], outs["cpu-ffi"]):
+        if d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]):
             differences[f"{name} decode"] = d
     assert outs["gpu-ffi"].shape == x.shape
     assert outs["gpu-ffi"].dtype == jnp.dtype(dtype)
@@ -273,7 +291,7 @@ def test_threelc_corrupted_stream_is_nan_on_gpu():
         got = np.asarray(_decoder(codec, "ffi")(q))
         want = np.asarray(_decoder(codec, "xla")(q))
         assert np.all(np.isnan(want)), i
-        _assert_same(got, want, f"corrupted case {i}")
+        _report({f"corrupted case {i}": d} if (d := _same_but_nan_bits(got, want)) else {})
 
 
 # TopK: ties at the threshold spread over many tiles of the emit kernel, and
@@ -335,6 +353,124 @@ def test_decode_sum_matches_twin_and_cpu(codec, rows):
         {
             f"{name} decode_sum": d
             for name in ("gpu-ffi", "gpu-xla")
-            if (d := _difference(outs[name], outs["cpu-ffi"]))
+            if (d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]))
         }
     )
+
+
+# ---------------------------------------------------------------------------
+# The golden vectors on the GPU: the bytes are the bytes. Encoded by the CUDA
+# kernels and by the twin on the GPU, and the pinned payloads decoded there
+# (NaNs compare as NaN: _same_but_nan_bits).
+# ---------------------------------------------------------------------------
+_GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "vectors.json").read_text())[
+    "cases"
+]
+
+
+@pytest.mark.parametrize("backend", ["ffi", "xla"])
+@pytest.mark.parametrize("case", _GOLDEN, ids=[c["id"] for c in _GOLDEN])
+def test_golden_vectors_on_gpu(case, backend):
+    from test_golden import _codec, _input, _key
+
+    codec = _codec(case)
+    x = jax.device_put(_input(case), GPU)
+    key = _key(case)
+    key = None if key is None else jax.device_put(key, GPU)
+    payload = jax.jit(lambda x, k: codec.encode(x, k, backend=backend))(x, key)
+    golden = wire.from_bytes(bytes.fromhex(case["wire"]))
+    differences = {
+        f"encode [{k}]": d
+        for k in golden.arrays
+        if (d := _same_but_nan_bits(payload[k], golden[k]))
+    }
+    out = jax.jit(lambda p: codec.decode(p, backend=backend))(jax.device_put(golden, GPU))
+    want = np.frombuffer(bytes.fromhex(case["decoded"]), np.asarray(out).dtype)
+    if d := _same_but_nan_bits(np.asarray(out).reshape(-1), want):
+        differences["decode"] = d
+    _report(differences)
+
+
+# ---------------------------------------------------------------------------
+# The collectives and the train step on a one-GPU mesh (a real case: one
+# GPU per host, or a single GPU): the same bytes as on a one-CPU mesh.
+# ---------------------------------------------------------------------------
+def _one_device_mesh(device):
+    return jax.sharding.Mesh(np.array([device]), ("data",))
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "allgather", "two_phase", "ring"])
+@pytest.mark.parametrize(
+    "codec", [QSGD(bits=4), OneBit(), Int8(), ThreeLC(), TopK(fraction=0.01)], ids=codec_id
+)
+def test_collectives_on_one_gpu_match_one_cpu(codec, algorithm):
+    if algorithm in ("two_phase", "ring") and codec.rate is not Rate.FIXED:
+        pytest.skip("fixed-rate codecs only")
+    x = gpu_input(70001, np.float32)
+
+    def run(device):
+        mesh = _one_device_mesh(device)
+
+        def body(x, key):
+            r = jaxcomp.pmean(x, "data", codec, key=key, algorithm=algorithm)
+            return r.value, r.sent
+
+        f = jax.jit(
+            jax.shard_map(
+                body, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False
+            )
+        )
+        return [np.asarray(a) for a in f(*_on(device, x, jax.random.key(3)))]
+
+    gpu, cpu = run(GPU), run(CPU)
+    _report(
+        {
+            what: d
+            for what, g, c in zip(("value", "sent"), gpu, cpu, strict=True)
+            if (d := _difference(g, c))
+        }
+    )
+
+
+def test_train_step_on_one_gpu():
+    """jc.data_parallel with QSGD and error feedback on a one-GPU mesh: the
+    loss falls, and the losses and parameters follow the one-CPU run's
+    (matrix products at float32 precision on both; the two platforms' matrix
+    products round differently, which can move a stochastic rounding by a
+    level, so the comparison has a tolerance of a few levels' updates)."""
+    import optax
+
+    def loss_fn(params, batch):
+        x, y = batch
+        h = jnp.tanh(x @ params["w1"])
+        return jnp.mean((h @ params["w2"] - y) ** 2)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k1, (64, 512)) / 8,
+        "w2": jax.random.normal(k2, (512, 1)) / 16,
+    }
+    x = jax.random.normal(k3, (256, 64))
+    batch = (x, jnp.sin(x[:, :1]))
+
+    def run(device):
+        mesh = _one_device_mesh(device)
+        tx = optax.chain(
+            jaxcomp.optax.compress_gradients(QSGD(bits=4), "data", min_compress_size=0),
+            optax.sgd(0.1),
+        )
+        step = jaxcomp.data_parallel(loss_fn, tx, mesh)
+        p, s = step.init(jax.device_put(params, device))
+        losses = []
+        with jax.default_matmul_precision("float32"):
+            for _ in range(20):
+                p, s, loss = step(p, s, jax.device_put(batch, device))
+                losses.append(float(loss))
+        return p, losses
+
+    (p_gpu, l_gpu), (p_cpu, l_cpu) = run(GPU), run(CPU)
+    assert l_gpu[-1] < 0.5 * l_gpu[0], l_gpu
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=2e-2)
+    for k in params:
+        assert p_gpu[k].devices() == {GPU}
+        np.testing.assert_allclose(np.asarray(p_gpu[k]), np.asarray(p_cpu[k]), rtol=0, atol=1e-2)
