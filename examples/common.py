@@ -108,20 +108,69 @@ def parse_codec(spec: str) -> CodecSpec:
     return CodecSpec(name, tuple(params))
 
 
-def make_mesh(num_devices: int):
-    """A 1-D mesh over the first ``num_devices`` devices, axis ``"data"``."""
+def make_mesh(num_devices: int | None = None, batch: int | None = None):
+    """A 1-D mesh, axis ``"data"``, over devices of JAX's default platform:
+    the GPUs where there are (JAX_PLATFORMS=cpu asks for the CPU instead),
+    else the CPU devices (8 simulated ones after simulate_devices).
+
+    Args:
+      num_devices: how many; None for all of them, or where ``batch`` is
+        given, the most that divide it.
+      batch: the global batch, split evenly over the devices.
+    Raises:
+      ValueError: fewer devices than asked for, with what to do about it
+        on this platform, or a batch that does not split evenly.
+    """
     import jax
+    import numpy as np
     from jax.sharding import Mesh
 
     devices = jax.devices()
+    platform = devices[0].platform
+    if num_devices is None:
+        num_devices = len(devices)
+        while batch and batch % num_devices:
+            num_devices -= 1
     if len(devices) < num_devices:
+        if platform == "cpu":
+            advice = (
+                f"set XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before "
+                "jax is imported"
+            )
+        else:
+            advice = (
+                f"ask for at most {len(devices)} (--num-devices), or simulate "
+                f"{num_devices} CPU devices with JAX_PLATFORMS=cpu"
+            )
         raise ValueError(
-            f"num_devices={num_devices} but only {len(devices)} devices exist; set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={num_devices} before importing jax"
+            f"num_devices={num_devices} but JAX sees {len(devices)} {platform} device(s): {advice}"
         )
-    import numpy as np
-
+    if batch and batch % num_devices:
+        raise ValueError(f"the global batch {batch} does not split over {num_devices} devices")
     return Mesh(np.array(devices[:num_devices]), (AXIS,))
+
+
+def describe_devices(mesh) -> str:
+    """ "8 simulated CPU devices", "1 NVIDIA H200 GPU": what a mesh runs on."""
+    d = mesh.devices.flat[0]
+    n = mesh.devices.size
+    if d.platform == "cpu":
+        simulated = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+        return f"{n} {'simulated ' if simulated else ''}CPU device{'s' if n > 1 else ''}"
+    return f"{n} {d.device_kind} {d.platform.upper()}{'s' if n > 1 else ''}"
+
+
+def kernels_line(mesh) -> str:
+    """The kernels the codecs run on the mesh's platform, for the first line
+    of the examples' output: "CPU kernels avx2", "CUDA kernels on NVIDIA H200"."""
+    import jaxcomp as jc
+
+    d = mesh.devices.flat[0]
+    if d.platform == "cpu":
+        return f"CPU kernels {jc._ffi.cpu_isa()}" if jc.cpu_available() else "pure-JAX codecs"
+    if d.platform in ("gpu", "cuda") and jc.cuda_available():
+        return f"CUDA kernels on {d.device_kind}"
+    return f"pure-JAX codecs on {d.device_kind}"
 
 
 def pmean_gradients(axis_name: str = AXIS):
@@ -263,7 +312,7 @@ def check_config(config, *, min_steps: int = 1) -> None:
     """The checks every example's config passes before a run."""
     if config.steps < min_steps or config.log_every < 1:
         raise ValueError(f"steps must be >= {min_steps} and log_every >= 1")
-    if config.global_batch_size % config.num_devices:
+    if config.num_devices is not None and config.global_batch_size % config.num_devices:
         raise ValueError(
             f"global_batch_size ({config.global_batch_size}) must be a multiple of "
             f"num_devices ({config.num_devices})"
@@ -402,6 +451,11 @@ def add_flags(ap) -> None:
         help="keep what compression dropped for the next step (default: on)",
     )
     ap.add_argument("--algorithm", help="jc.psum algorithm: auto, allgather, two_phase, ring")
+    ap.add_argument(
+        "--num-devices",
+        type=int,
+        help="devices of the mesh (default: every GPU, else 8 simulated CPU devices)",
+    )
     ap.add_argument("--steps", type=int)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--log-every", type=int)
@@ -434,6 +488,7 @@ def config_from_flags(args, *, default: str):
         "codec": args.codec,
         "error_feedback": args.error_feedback,
         "algorithm": args.algorithm,
+        "num_devices": args.num_devices,
         "steps": args.steps,
         "seed": args.seed,
         "log_every": args.log_every,

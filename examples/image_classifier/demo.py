@@ -5,7 +5,8 @@
 
 Trains the same model with the same data order, initialization and
 hyperparameters (configs/default.py) twice per seed: with a float32
-all-reduce, and with the codec's compressed all-reduce; prints both test
+all-reduce, and with the codec's compressed all-reduce, data parallel over
+every GPU where there are GPUs, else over 8 simulated CPU devices; prints both test
 accuracies, their difference and what went over the wire. Run from the
 repository root (the examples are not part of the installed package).
 """
@@ -38,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, help="default: configs/default.py")
+    ap.add_argument(
+        "--num-devices",
+        type=int,
+        help="devices of the mesh (default: every GPU, else 8 simulated CPU devices)",
+    )
     ap.add_argument("--progress", action="store_true", help="show progress bars and log lines")
     args = ap.parse_args(argv)
     common.parse_codec(args.codec)
@@ -45,14 +51,15 @@ def main(argv: list[str] | None = None) -> int:
     base = default.get_config()
     if args.steps:
         base = dataclasses.replace(base, steps=args.steps)
-    base = dataclasses.replace(base, error_feedback=args.error_feedback)
-    ndev = base.num_devices
+    base = dataclasses.replace(
+        base, error_feedback=args.error_feedback, num_devices=args.num_devices
+    )
     import jaxcomp as jc
 
-    kernels = f"CPU kernels {jc._ffi.cpu_isa()}" if jc.cpu_available() else "pure-JAX codecs"
-    print(f"jaxcomp {jc.__version__} ({kernels})")
+    mesh = common.make_mesh(base.num_devices, base.global_batch_size)
+    print(f"jaxcomp {jc.__version__} ({common.kernels_line(mesh)})")
     print(
-        f"digits CNN (8x8 images, 1437 train / 360 test), {ndev} simulated devices, "
+        f"digits CNN (8x8 images, 1437 train / 360 test), {common.describe_devices(mesh)}, "
         f"{base.steps} SGD steps of {base.global_batch_size} images, seeds {args.seeds}"
     )
     runs: dict[str, list[dict]] = {}

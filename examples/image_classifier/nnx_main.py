@@ -101,7 +101,9 @@ def batches(config: train.Config, start: int = 0):
 def build(config: train.Config, codec: str, mesh=None, *, donate: bool = True):
     """(model, step, params, opt_state): the NNX model of ``config.seed``,
     the ``jc.data_parallel`` step, and its initial parameters and state."""
-    mesh = mesh if mesh is not None else common.make_mesh(config.num_devices)
+    mesh = (
+        mesh if mesh is not None else common.make_mesh(config.num_devices, config.global_batch_size)
+    )
     model = CNN(tuple(config.features), config.hidden, rngs=nnx.Rngs(config.seed))
     step = jc.data_parallel(loss_fn, make_tx(config, codec), mesh, has_aux=True, donate=donate)
     params, opt_state = step.init(model)

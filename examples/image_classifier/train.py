@@ -52,7 +52,7 @@ class Config:
     hidden: int = 64
     log_every: int = 100
     seed: int = 0
-    num_devices: int = 8
+    num_devices: int | None = None  # None: every GPU, else the 8 simulated CPU devices
 
 
 class CNN(nn.Module):
@@ -115,14 +115,14 @@ class Trainer:
     def __init__(self, config: Config):
         self.config = config
         self.spec = common.parse_codec(config.codec)
-        self.mesh = common.make_mesh(config.num_devices)
+        self.mesh = common.make_mesh(config.num_devices, config.global_batch_size)
         data = load_digits()
         self.x_train, self.y_train = jnp.asarray(data["x_train"]), jnp.asarray(data["y_train"])
         self.x_test, self.y_test = jnp.asarray(data["x_test"]), jnp.asarray(data["y_test"])
         self.model = CNN(features=tuple(config.features), hidden=config.hidden)
         shapes = jax.eval_shape(self.init_params, jax.random.key(0))
         self.num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes))
-        local_batch = config.global_batch_size // config.num_devices
+        local_batch = config.global_batch_size // self.mesh.size
         n_train = self.x_train.shape[0]
 
         def loss_fn(params, key):

@@ -56,7 +56,7 @@ class Config:
     eval_windows: int = 256  # held-out windows evaluated (fixed, non-overlapping)
     log_every: int = 100
     seed: int = 0
-    num_devices: int = 8
+    num_devices: int | None = None  # None: every GPU, else the 8 simulated CPU devices
 
 
 class Block(nn.Module):
@@ -115,7 +115,7 @@ class Trainer:
     def __init__(self, config: Config):
         self.config = config
         self.spec = common.parse_codec(config.codec)
-        self.mesh = common.make_mesh(config.num_devices)
+        self.mesh = common.make_mesh(config.num_devices, config.global_batch_size)
         corpus = load_corpus()
         self.train_bytes = jnp.asarray(corpus["train"], jnp.int32)
         ctx = config.context
@@ -127,7 +127,7 @@ class Trainer:
         self.model = ByteLM(config.width, config.num_layers, config.num_heads, ctx)
         shapes = jax.eval_shape(self.init_params, jax.random.key(0))
         self.num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes))
-        local_batch = config.global_batch_size // config.num_devices
+        local_batch = config.global_batch_size // self.mesh.size
         n_train = self.train_bytes.shape[0]
 
         def loss_fn(params, key):

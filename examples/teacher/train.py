@@ -61,7 +61,7 @@ class Config:
     test_size: int = 65536  # held-out samples
     log_every: int = 500
     seed: int = 0
-    num_devices: int = 8
+    num_devices: int | None = None  # None: every GPU, else the 8 simulated CPU devices
 
 
 class MLP(nn.Module):
@@ -120,7 +120,7 @@ class Trainer:
     def __init__(self, config: Config):
         self.config = config
         self.spec = common.parse_codec(config.codec)
-        self.mesh = common.make_mesh(config.num_devices)
+        self.mesh = common.make_mesh(config.num_devices, config.global_batch_size)
         self.teacher = Teacher(config)
         test_key = jax.random.fold_in(jax.random.key(config.task_seed), 1)
         self.x_test, self.y_test = jax.jit(self.teacher.sample, static_argnums=1)(
@@ -129,7 +129,7 @@ class Trainer:
         self.model = MLP(hidden=tuple(config.hidden), num_classes=config.num_classes)
         shapes = jax.eval_shape(self.init_params, jax.random.key(0))
         self.num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(shapes))
-        local_batch = config.global_batch_size // config.num_devices
+        local_batch = config.global_batch_size // self.mesh.size
 
         def loss_fn(params, key):
             x, y = self.teacher.sample(key, local_batch)
