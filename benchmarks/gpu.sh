@@ -1,54 +1,96 @@
 #!/usr/bin/env bash
-# On a machine with a CUDA GPU and a Python that has jax with its CUDA plugin,
-# nanobind, scikit-build-core, cmake, ninja, optax, flax and pytest: builds
-# jaxcomp with its CUDA module, runs tests/test_gpu.py (CUDA kernels against
-# the twins and the CPU kernels, byte for byte), then the codec throughput
-# benchmark on the GPU.
+# One command on a GPU machine that has a Python with jax and its CUDA plugin,
+# nanobind, scikit-build-core, cmake, optax, flax and pytest (no network
+# needed): builds jaxcomp with its CUDA module and runs, each step's log in
+# $LOGS (default build/gpu-logs):
+#   build  the wheel with the CUDA module, installed (not editable: the
+#          checkout then loads the installed kernels, jaxcomp/_ffi.py)
+#   test   tests/test_gpu.py: the CUDA kernels and the twin on the GPU against
+#          the CPU kernels, byte for byte; the golden vectors, the collectives
+#          and a train step on the GPU
+#   fast   the fast tier (pytest -m "not slow and not multiprocess"), as on a
+#          CPU machine: the suite's default platform is the CPU there too
+#   arith  benchmarks/xla_arith.py: which float32 operations XLA's GPU code
+#          rounds as IEEE 754 does
+#   bench  the codec throughput at 2^26 on the GPU (benchmarks/codecs.py)
+#   step   the train step of a 67M-parameter MLP on a one-GPU mesh, plain
+#          against every codec, PowerSGD and onebit_adam (benchmarks/train_step.py)
 #
-#     bash benchmarks/gpu.sh [build|test|bench]...   # default: all three
+#     bash benchmarks/gpu.sh [build|test|fast|arith|bench|step]...   # default: all
 #
-# Logs go to $LOGS (default build/gpu-logs). CUDAARCHS picks the GPU
-# architectures to build for (default: the one of the GPU present).
-set -euo pipefail
+# About 7 minutes on one H200 with 16 cores (docs/gpu.md). CUDAARCHS picks the
+# GPU architectures to build for (default: the one of the GPU present); each
+# step has a time limit (seconds: TEST_S, FAST_S, BENCH_S, STEP_S), so that
+# one slow step cannot take the others' time.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 LOGS=${LOGS:-build/gpu-logs}
 mkdir -p "$LOGS"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test bench)
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-failed=0
+[ ${#steps[@]} -eq 0 ] && steps=(build test fast arith bench step)
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAXCOMP_REQUIRE_KERNELS=1
+workers=${WORKERS:-$(nproc)}
+failed=()
+t_all=$SECONDS
+
+run_step() {  # name, then the command; its output to $LOGS/name.log
+  local name=$1 t0=$SECONDS rc
+  shift
+  "$@" >"$LOGS/$name.log" 2>&1
+  rc=$?
+  printf '%-6s rc %3d  %4d s\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$LOGS/steps.txt"
+  [ $rc -eq 0 ] || failed+=("$name")
+  return $rc
+}
 
 for step in "${steps[@]}"; do
   case $step in
   build)
-    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$LOGS/env.txt"
-    nvcc --version | tail -n 2 | tee -a "$LOGS/env.txt"
-    "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())' | tee -a "$LOGS/env.txt"
+    {
+      nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+      nvcc --version | tail -n 2
+      "$PY" -c 'import jax; print("jax", jax.__version__, jax.devices())'
+      echo "cores: $(nproc)"
+    } >"$LOGS/env.txt" 2>&1
     if [ -z "${CUDAARCHS:-}" ]; then
       cap=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -n 1)
       export CUDAARCHS=${cap/./}
     fi
-    start=$SECONDS
-    JAXCOMP_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) \
-      "$PY" -m pip install --no-build-isolation --no-deps --no-index -v -e . >"$LOGS/build.log" 2>&1 ||
+    run_step build env JAXCOMP_CUDA=ON CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" \
+      "$PY" -m pip install --no-build-isolation --no-deps --no-index -v . ||
       { tail -n 60 "$LOGS/build.log"; exit 1; }
-    echo "build (CUDAARCHS=$CUDAARCHS): $((SECONDS - start)) s" | tee -a "$LOGS/env.txt"
-    "$PY" -c 'import jaxcomp; assert jaxcomp.cuda_available(), "no CUDA module"; print("CUDA kernels registered")'
+    "$PY" -c 'import jaxcomp; print(jaxcomp._ffi.kernels_line())' | tee -a "$LOGS/env.txt"
     ;;
   test)
-    # A failing test does not stop the benchmark that follows; the exit
-    # status of the whole script says whether any test failed.
-    "$PY" -m pytest -q -p no:cacheprovider -n "${WORKERS:-8}" tests/test_gpu.py \
-      --junitxml="$LOGS/test_gpu.xml" >"$LOGS/test_gpu.log" 2>&1 || failed=1
-    tail -n 40 "$LOGS/test_gpu.log"
+    mkdir -p "$LOGS/diffs"
+    run_step test_gpu env JAXCOMP_GPU_DIFFS="$LOGS/diffs" timeout "${TEST_S:-150}" \
+      "$PY" -m pytest -q -p no:cacheprovider -n "$workers" tests/test_gpu.py \
+      --junitxml="$LOGS/test_gpu.xml"
+    cat "$LOGS"/diffs/*.jsonl >"$LOGS/test_gpu-diffs.jsonl" 2>/dev/null
+    rm -rf "$LOGS/diffs"
+    tail -n 30 "$LOGS/test_gpu.log"
+    ;;
+  fast)
+    run_step fast_tier timeout "${FAST_S:-240}" \
+      "$PY" -m pytest -q -p no:cacheprovider -n "$workers" -m "not slow and not multiprocess" \
+      --ignore=tests/test_gpu.py --junitxml="$LOGS/fast_tier.xml"
+    tail -n 30 "$LOGS/fast_tier.log"
+    ;;
+  arith)
+    run_step xla_arith timeout 120 "$PY" benchmarks/xla_arith.py --platform gpu \
+      --json "$LOGS/xla_arith.json"
+    cat "$LOGS/xla_arith.log"
     ;;
   bench)
-    # Writes benchmarks/results/codecs-gpu.json and the GPU section of
-    # docs/benchmarks.md; copies of both go to $LOGS.
-    "$PY" benchmarks/codecs.py --platform gpu --log2-sizes ${SIZES:-20 24 26} 2>&1 |
-      tee "$LOGS/bench.log"
-    cp benchmarks/results/codecs-gpu.json docs/benchmarks.md "$LOGS/"
+    run_step codecs timeout "${BENCH_S:-150}" "$PY" benchmarks/codecs.py --platform gpu \
+      --log2-sizes ${SIZES:-26} --reps "${REPS:-3}" --json "$LOGS/codecs-gpu.json" --no-docs
+    tail -n 50 "$LOGS/codecs.log"
+    ;;
+  step)
+    run_step train_step timeout "${STEP_S:-150}" "$PY" benchmarks/train_step.py --platform gpu \
+      --json "$LOGS/train_step.json"
+    cat "$LOGS/train_step.log"
     ;;
   *)
     echo "unknown step: $step" >&2
@@ -56,4 +98,5 @@ for step in "${steps[@]}"; do
     ;;
   esac
 done
-exit $failed
+echo "all: $((SECONDS - t_all)) s; failed: ${failed[*]:-none}" | tee -a "$LOGS/steps.txt"
+[ ${#failed[@]} -eq 0 ]

@@ -1,0 +1,152 @@
+"""The train step users run, on one device: what compression costs in compute.
+
+One jitted ``jc.data_parallel`` step (forward, backward, the optax chain)
+of an MLP of ``--layers`` square float32 matrices on a one-device mesh,
+uncompressed (``lax.pmean`` + SGD) against every codec through
+``jc.optax.compress_gradients`` (error feedback on), PowerSGD and
+``onebit_adam`` (against plain Adam). On one device the all-reduce moves
+nothing, so the time over the plain step is the compression's own compute:
+"+ ms", and the gradient's bytes over it, "GB/s of gradient" (the higher,
+the cheaper the codec's passes over the gradient and the residual).
+
+    python benchmarks/train_step.py --platform gpu               # 4 x 4096^2, batch 1024
+    python benchmarks/train_step.py --platform cpu --width 512   # small, for a CPU
+
+Median (and min) of ``--steps`` timed steps after two warm-up steps; every
+row's loss after them is printed, so that a row that trains wrong shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+ROWS = [
+    ("plain pmean", None),
+    ("bf16", "cast:dtype=bfloat16"),
+    ("int8", "int8"),
+    ("fp8 e4m3", "fp8:format=e4m3"),
+    ("mxfp4", "mx:element=e2m1"),
+    ("qsgd-4", "qsgd:bits=4"),
+    ("onebit", "onebit"),
+    ("terngrad", "terngrad"),
+    ("natural", "natural"),
+    ("3lc s=1", "threelc:sparsity=1.0"),
+    ("topk 1%", "topk:fraction=0.01"),
+    ("powersgd r4", "powersgd"),
+    ("plain adam", "adam"),
+    ("onebit_adam", "onebit_adam"),
+]
+
+
+def _tx(kind, axis):
+    import optax
+    from jax import lax
+
+    import jaxcomp as jc
+
+    def pmean():
+        def update(g, s, p=None):
+            return lax.pmean(g, axis), s
+
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    if kind is None:
+        return optax.chain(pmean(), optax.sgd(0.01))
+    if kind == "powersgd":
+        return optax.chain(jc.optax.powersgd(axis, rank=4), optax.sgd(0.01))
+    if kind == "adam":
+        return optax.chain(pmean(), optax.adam(1e-3))
+    if kind == "onebit_adam":
+        return jc.optax.onebit_adam(1e-3, axis, warmup_steps=1)
+    return optax.chain(jc.optax.compress_gradients(kind, axis), optax.sgd(0.01))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--platform", default="gpu")
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--rows", nargs="*", help="row names to run (default: all)")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomp as jc
+
+    dev = jax.devices(args.platform)[0]
+    mesh = jax.sharding.Mesh(np.array([dev]), ("data",))
+    w, nl = args.width, args.layers
+    keys = jax.random.split(jax.random.key(0), nl + 1)
+    params = {f"w{i}": jax.random.normal(keys[i], (w, w)) / np.sqrt(w) for i in range(nl)}
+    x = jax.random.normal(keys[-1], (args.batch, w))
+    batch = jax.device_put((x, jnp.tanh(x[:, ::-1])), dev)
+    params = jax.device_put(params, dev)
+    n = nl * w * w
+    grad_bytes = 4 * n
+
+    def loss_fn(p, b):
+        h, y = b
+        for i in range(nl):
+            h = jnp.tanh(h @ p[f"w{i}"]) if i < nl - 1 else h @ p[f"w{i}"]
+        return jnp.mean((h - y) ** 2)
+
+    print(
+        f"device {dev.device_kind}; jax {jax.__version__}; {jc._ffi.kernels_line()}\n"
+        f"params {n / 1e6:.1f}M ({grad_bytes / 1e6:.0f} MB f32 gradient); batch {args.batch}; "
+        f"median of {args.steps} steps"
+    )
+    rows, base = [], {}
+    for name, kind in ROWS:
+        if args.rows and name not in args.rows:
+            continue
+        step = jc.data_parallel(loss_fn, _tx(kind, "data"), mesh)
+        p, s = step.init(params)
+        t0 = time.perf_counter()
+        p, s, loss = step(p, s, batch)
+        loss.block_until_ready()
+        compile_s = time.perf_counter() - t0
+        p, s, loss = step(p, s, batch)
+        times = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            p, s, loss = step(p, s, batch)
+            loss.block_until_ready()
+            times.append(time.perf_counter() - t0)
+        med, best = 1e3 * float(np.median(times)), 1e3 * min(times)
+        ref = base.get("adam" if "adam" in name else "sgd")
+        if ref is None:
+            base["adam" if "adam" in name else "sgd"] = med
+            ref = med
+        extra = med - ref
+        gbs = grad_bytes / (extra * 1e-3) / 1e9 if extra > 0 else float("inf")
+        row = {
+            "row": name,
+            "ms": med,
+            "min_ms": best,
+            "extra_ms": extra,
+            "gb_per_s": gbs,
+            "compile_s": compile_s,
+            "loss": float(loss),
+        }
+        rows.append(row)
+        print(
+            f"{name:14s} {med:7.2f} ms/step (min {best:7.2f})  + {extra:6.2f} ms  "
+            f"{gbs:8.1f} GB/s of gradient  compile {compile_s:5.1f} s  loss {float(loss):.4g}",
+            flush=True,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": dev.device_kind, "params": n, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
