@@ -18,7 +18,7 @@ namespace {
 template <typename In, typename Out>
 __global__ void __launch_bounds__(kThreads)
     cast_kernel(const In* __restrict__ x, Out* __restrict__ y, int64_t n, bool vec) {
-  store_groups(y, n, vec, [&](int64_t gi, float* v) { load8(x, 8 * gi, n, vec, v); });
+  store_groups<false>(y, n, vec, [&](int64_t gi, float* v) { load8(x, 8 * gi, n, vec, v); });
 }
 
 // ---------------------------------------------------------------------------

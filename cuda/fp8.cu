@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kThreads)
   const MiniFormat f = mini_format(format);
   grid_stride(n, [&](int64_t e) {
     const float step = fp8_step(scales[e >> bucket_shift], f);
-    out[e] = from_f32<T>(step != step ? NAN : mini_value(codes[e], f) * step);  // as ffi/fp8.cc
+    out[e] = decoded<T>(step != step ? NAN : mini_value(codes[e], f) * step);  // as ffi/fp8.cc
   });
 }
 

@@ -140,12 +140,17 @@ __device__ __forceinline__ void grid_stride(int64_t count, F fn) {
 }
 
 // The loop of the decode and cast kernels: value(gi, v) writes the 8 values
-// of group gi (elements 8gi .. 8gi+7) of the output into v, which are stored.
-template <typename T, typename F>
+// of group gi (elements 8gi .. 8gi+7) of the output into v, which are stored;
+// a decoder's NaNs as common.h's NaN rule says (Canonical), a cast's as they are.
+template <bool Canonical = true, typename T, typename F>
 __device__ __forceinline__ void store_groups(T* __restrict__ out, int64_t n, bool vec, F value) {
   grid_stride((n + 7) / 8, [&](int64_t gi) {
     float v[8];
     value(gi, v);
+    if constexpr (Canonical) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = canonical_nan(v[j]);
+    }
     store8(out, 8 * gi, n, vec, v);
   });
 }

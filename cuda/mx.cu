@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t block = e >> 5;
     const uint32_t code = mx_code(codes + block * (kMxBlock * bits / 8), bits, static_cast<int>(e & 31));
     const uint32_t s = scales[block];
-    out[e] = from_f32<T>(s == 0xffu ? NAN : (mini_value(code, f) * mx_scale_hi(s)) * mx_scale_lo(s));
+    out[e] = decoded<T>(s == 0xffu ? NAN : (mini_value(code, f) * mx_scale_hi(s)) * mx_scale_lo(s));
   });
 }
 

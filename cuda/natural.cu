@@ -46,7 +46,7 @@ template <typename T>
 __global__ void __launch_bounds__(kThreads)
     natural_decode_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ tops, T* __restrict__ out,
                           int64_t n, int bucket_shift) {
-  grid_stride(n, [&](int64_t e) { out[e] = from_f32<T>(natural_value(codes[e], tops[e >> bucket_shift])); });
+  grid_stride(n, [&](int64_t e) { out[e] = decoded<T>(natural_value(codes[e], tops[e >> bucket_shift])); });
 }
 
 void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int64_t bucket,

@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kThreads)
   grid_stride(n, [&](int64_t e) {
     const int plane = static_cast<int>(e / m);
     const uint32_t digit = base3_digit(trits[e - plane * m], plane);
-    out[e] = from_f32<T>(terngrad_value(digit, scales[e >> bucket_shift]));
+    out[e] = decoded<T>(terngrad_value(digit, scales[e >> bucket_shift]));
   });
 }
 

@@ -294,7 +294,7 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const uint8_t* b, con
       const int64_t plane = e / M;
       v = threelc_value(base3_digit(b[e - plane * M], static_cast<int>(plane)), m);
     }
-    out[e] = from_f32<T>(v);
+    out[e] = decoded<T>(v);
   }
 }
 

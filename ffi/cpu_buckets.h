@@ -39,7 +39,7 @@ inline void load_any(DType t, const void* x, int64_t start, int64_t valid, int B
 template <typename T>
 inline void store_bucket(const float* buf, int64_t start, int64_t valid, void* out) {
   T* dst = static_cast<T*>(out) + start;
-  for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(buf[i]);
+  for (int64_t i = 0; i < valid; ++i) dst[i] = decoded<T>(buf[i]);
 }
 
 inline void store_any(DType t, const float* buf, int64_t start, int64_t valid, void* out) {

@@ -82,10 +82,10 @@ void decode_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
     const uint8_t* in = a.codes + start;
     T* dst = out + start;
     if (step != step) {  // a NaN scale: the canonical NaN (see mx.cc)
-      for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(NAN);
+      for (int64_t i = 0; i < valid; ++i) dst[i] = decoded<T>(NAN);
       continue;
     }
-    for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(table[in[i]] * step);
+    for (int64_t i = 0; i < valid; ++i) dst[i] = decoded<T>(table[in[i]] * step);
   }
 }
 

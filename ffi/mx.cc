@@ -335,7 +335,7 @@ void decode_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
     const int64_t start = c0 * kMxBlock;
     const int64_t valid = std::min<int64_t>(m, a.n - start);
     T* dst = out + start;
-    for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(values[i]);
+    for (int64_t i = 0; i < valid; ++i) dst[i] = decoded<T>(values[i]);
   }
 }
 

@@ -90,7 +90,7 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
       const uint32_t top = a.side[b];
       const uint8_t* in = a.codes + start;
       T* dst = out + start;
-      for (int64_t i = 0; i < valid; ++i) dst[i] = from_f32<T>(natural_value(in[i], top));
+      for (int64_t i = 0; i < valid; ++i) dst[i] = decoded<T>(natural_value(in[i], top));
     }
   });
 }

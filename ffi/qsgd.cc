@@ -166,7 +166,9 @@ JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* in, float sc
     // Negation is a sign-bit flip, as -mag is in the portable loop.
     const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(code, BITS - 1), 31);
     const __m256i sign_bit = _mm256_and_si256(sign, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-    _mm256_storeu_ps(out + 8 * g, _mm256_xor_ps(mag, _mm256_castsi256_ps(sign_bit)));
+    const __m256 v = _mm256_xor_ps(mag, _mm256_castsi256_ps(sign_bit));
+    // common.h: canonical_nan.
+    _mm256_storeu_ps(out + 8 * g, _mm256_blendv_ps(v, _mm256_set1_ps(NAN), _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
   }
 }
 
@@ -235,7 +237,7 @@ inline void decode_bucket_f32(const uint8_t* in, float scale, int B, uint8_t* co
 #endif
   cpu::unpack_bucket<BITS>(in, B, codes);
   const float step = qsgd_step(scale, (1 << (BITS - 1)) - 1);
-  for (int i = 0; i < B; ++i) out[i] = qsgd_value(codes[i], step, BITS);
+  for (int i = 0; i < B; ++i) out[i] = canonical_nan(qsgd_value(codes[i], step, BITS));
 }
 
 template <int BITS, bool AVX2>
@@ -299,6 +301,8 @@ void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
         for (int64_t i = 0; i < valid; ++i) out[i] += buf[i];
       }
     }
+    // The NaN rule (common.h): a sum of rows can make a NaN (inf + -inf).
+    for (int64_t i = 0; i < valid; ++i) out[i] = canonical_nan(out[i]);
   }
 }
 

@@ -50,7 +50,7 @@ JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t
     float* out = direct ? static_cast<float*>(a.out) + start : buf.data();
     for (int g = 0; g < B / 8; ++g) {
       const uint32_t byte = signs[g];
-      for (int j = 0; j < 8; ++j) out[8 * g + j] = bits_f32(scale ^ (((byte >> j) & 1u) << 31));
+      for (int j = 0; j < 8; ++j) out[8 * g + j] = canonical_nan(bits_f32(scale ^ (((byte >> j) & 1u) << 31)));
     }
     if (!direct) cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
   }

@@ -105,7 +105,7 @@ JC_CPU_LOOP void pack_range(const EncodeArgs& a, int64_t i0, int64_t i1) {
 
 template <typename T, int PLANE>
 void decode_run(const uint8_t* in, float scale, int64_t run, T* out) {
-  for (int64_t i = 0; i < run; ++i) out[i] = from_f32<T>(terngrad_value(base3_digit(in[i], PLANE), scale));
+  for (int64_t i = 0; i < run; ++i) out[i] = decoded<T>(terngrad_value(base3_digit(in[i], PLANE), scale));
 }
 
 // Elements [e0, e1).

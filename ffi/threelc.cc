@@ -118,7 +118,7 @@ int64_t zre_part(const uint8_t* b, int64_t M, int64_t i0, int64_t i1, uint8_t* o
 
 template <typename T, int PLANE>
 void dequant_run(const uint8_t* in, float m, int64_t run, T* out) {
-  for (int64_t i = 0; i < run; ++i) out[i] = from_f32<T>(threelc_value(base3_digit(in[i], PLANE), m));
+  for (int64_t i = 0; i < run; ++i) out[i] = decoded<T>(threelc_value(base3_digit(in[i], PLANE), m));
 }
 
 // Elements [e0, e1) from the expanded base-3^5 bytes.
@@ -240,7 +240,7 @@ std::string decode(Runner& runner, const DecodeArgs& a) {
     // Overflowed: the stream is incomplete; NaN everywhere, never plausible numbers.
     with_type(a.dtype, [&](auto tag) {
       using T = decltype(tag);
-      const T nan = from_f32<T>(std::numeric_limits<float>::quiet_NaN());
+      const T nan = decoded<T>(std::numeric_limits<float>::quiet_NaN());
       parallel_for(runner, n, kElementsPerTask,
                    [&](int64_t e0, int64_t e1) { fill<T>(static_cast<T*>(o), e0, e1, nan); });
     });

@@ -3,8 +3,7 @@
 For each codec, dtype and size, the payload is encoded three ways (CUDA
 kernel, twin on the GPU, CPU kernel) and the GPU payloads must equal the CPU
 kernel's, array by array; the CPU kernel's payload is then decoded the three
-ways and the outputs must be equal too (NaNs as NaNs: docs/codecs.md, "One
-answer"). The golden vectors hold on the GPU, special values included, and
+ways and the outputs must be equal too (docs/codecs.md, "One answer"). The golden vectors hold on the GPU, special values included, and
 the collectives and a train step run on a one-GPU mesh. The module skips
 where JAX sees no CUDA GPU or jaxcomp was built without its CUDA module
 (``JAXCOMP_CUDA=ON pip install .``); its case lists are in gpu_cases.py.
@@ -99,9 +98,9 @@ def _difference(got, want) -> dict | None:
 
 def _same_but_nan_bits(got, want) -> dict | None:
     """As _difference, with a NaN against a NaN equal whatever their bits:
-    the bits of a NaN that arithmetic creates are not yet one rule across
-    the platforms (x86 writes 0xffc00000 for an invalid operation, NVIDIA
-    GPUs 0x7fffffff; docs/codecs.md, "One answer")."""
+    for a payload's scales and means, whose NaN bits follow the platform
+    where arithmetic made them (x86 0xffc00000, NVIDIA GPUs 0x7fffffff;
+    docs/codecs.md, "One answer"). Decoded values have one NaN."""
     got, want = np.asarray(got), np.asarray(want)
     if jnp.issubdtype(got.dtype, jnp.floating) and got.shape == want.shape:
         both = np.isnan(got) & np.isnan(want)
@@ -168,7 +167,7 @@ def _check_encodes(codec: Codec, x: np.ndarray, key, decode: bool = False) -> No
         differences |= {
             f"{name} decode": d
             for name in ("gpu-ffi", "gpu-xla")
-            if (d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]))
+            if (d := _difference(outs[name], outs["cpu-ffi"]))
         }
     _report(differences)
 
@@ -197,7 +196,7 @@ def _check_codec(codec: Codec, dtype, n: int) -> None:
         for name, (dev, backend) in RUNS.items()
     }
     for name in ("gpu-ffi", "gpu-xla"):
-        if d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]):
+        if d := _difference(outs[name], outs["cpu-ffi"]):
             differences[f"{name} decode"] = d
     assert outs["gpu-ffi"].shape == x.shape
     assert outs["gpu-ffi"].dtype == jnp.dtype(dtype)
@@ -291,7 +290,7 @@ def test_threelc_corrupted_stream_is_nan_on_gpu():
         got = np.asarray(_decoder(codec, "ffi")(q))
         want = np.asarray(_decoder(codec, "xla")(q))
         assert np.all(np.isnan(want)), i
-        _report({f"corrupted case {i}": d} if (d := _same_but_nan_bits(got, want)) else {})
+        _assert_same(got, want, f"corrupted case {i}")
 
 
 # TopK: ties at the threshold spread over many tiles of the emit kernel, and
@@ -353,15 +352,15 @@ def test_decode_sum_matches_twin_and_cpu(codec, rows):
         {
             f"{name} decode_sum": d
             for name in ("gpu-ffi", "gpu-xla")
-            if (d := _same_but_nan_bits(outs[name], outs["cpu-ffi"]))
+            if (d := _difference(outs[name], outs["cpu-ffi"]))
         }
     )
 
 
 # ---------------------------------------------------------------------------
 # The golden vectors on the GPU: the bytes are the bytes. Encoded by the CUDA
-# kernels and by the twin on the GPU, and the pinned payloads decoded there
-# (NaNs compare as NaN: _same_but_nan_bits).
+# kernels and by the twin on the GPU (a payload's NaNs compare as NaN:
+# _same_but_nan_bits), and the pinned payloads decoded there.
 # ---------------------------------------------------------------------------
 _GOLDEN = json.loads((pathlib.Path(__file__).parent / "golden" / "vectors.json").read_text())[
     "cases"
@@ -386,7 +385,7 @@ def test_golden_vectors_on_gpu(case, backend):
     }
     out = jax.jit(lambda p: codec.decode(p, backend=backend))(jax.device_put(golden, GPU))
     want = np.frombuffer(bytes.fromhex(case["decoded"]), np.asarray(out).dtype)
-    if d := _same_but_nan_bits(np.asarray(out).reshape(-1), want):
+    if d := _difference(np.asarray(out).reshape(-1), want):
         differences["decode"] = d
     _report(differences)
 

@@ -42,6 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._ffi import resolve_backend
+from jaxcomp.ops import ieee
 from jaxcomp.ops._dispatch import dispatch, ffi_call
 from jaxcomp.ops.rng import seed_words
 from jaxcomp.payload import Payload
@@ -386,7 +387,10 @@ class Codec:
 
     def _decode(self, payload: Payload, backend: str) -> jax.Array:
         def twin(*arrays):
-            return (self.twin_decode(*arrays, n=payload.size, dtype=payload.dtype),)
+            # The decoders' NaN rule (common.h), whatever NaN the platform's
+            # arithmetic made.
+            out = self.twin_decode(*arrays, n=payload.size, dtype=payload.dtype)
+            return (ieee.canonical_nan(out),)
 
         return self.kernel(
             backend,
@@ -665,7 +669,7 @@ class Codec:
             total = rows[0]
             for i in range(1, rows.shape[0]):
                 total = total + rows[i]
-            return total
+            return ieee.canonical_nan(total)  # inf + -inf: the decoders' NaN rule
 
         def twin(*arrays):
             return (

@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp.codecs.base import Codec, array, register
 
@@ -85,8 +86,33 @@ def cast(x: jax.Array, dtype, *, backend: str = "auto") -> jax.Array:
     out = Codec.kernel(
         backend,
         "jaxcomp_cast",
-        lambda f: (f.astype(dtype),),
+        lambda f: (_astype(f, dtype),),
         (flat,),
         (jax.ShapeDtypeStruct(flat.shape, dtype),),
     )[0]
     return out.reshape(x.shape)
+
+
+def _astype(x: jax.Array, dtype) -> jax.Array:
+    """``x.astype(dtype)`` with the NaNs of the kernels' conversions
+    (common.h: to_f32, f32_to_bf16_bits, f32_to_f16_bits, which follow
+    XLA's CPU code): a bfloat16 NaN widens bit for bit, a float16 NaN
+    quiet with its payload; to bfloat16 a NaN becomes 0x7fc0 with its sign,
+    to float16 a quiet NaN with its sign and the payload's top 10 bits. XLA's GPU code
+    writes other NaNs (0x7fff, 0x7fffffff); the values are the same."""
+    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    if x.dtype == jnp.bfloat16:
+        bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    elif x.dtype == jnp.float16:
+        h = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+        bits = ((h & 0x8000) << 16) | np.uint32(0x7FC00000) | ((h & 0x3FF) << 13)
+    if dtype == jnp.float32:
+        nan = lax.bitcast_convert_type(bits, jnp.float32)
+    else:
+        sign = (bits >> 16) & np.uint32(0x8000)
+        if dtype == jnp.bfloat16:
+            half = sign | np.uint32(0x7FC0)
+        else:
+            half = sign | np.uint32(0x7E00) | ((bits >> 13) & np.uint32(0x3FF))
+        nan = lax.bitcast_convert_type(half.astype(jnp.uint16), dtype)
+    return jnp.where(jnp.isnan(x), nan, x.astype(dtype))

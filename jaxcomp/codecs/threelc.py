@@ -42,7 +42,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp.codecs.base import VariableRateCodec, array, check_int, register
-from jaxcomp.ops import ternary
+from jaxcomp.ops import ieee, ternary
 from jaxcomp.payload import Payload
 
 # Bytes of a payload besides the stream: the float32 scale, the int32 length
@@ -360,4 +360,4 @@ def decode_ref(stream, scale, length, overflow, n: int, dtype):
         return jnp.zeros((0,), dtype)
     q = ternary.unpack(b, n).astype(jnp.int32) - 1
     m = jnp.where(ok, scale.reshape(()), np.float32(np.nan))
-    return (q.astype(jnp.float32) * m).astype(dtype)
+    return ieee.canonical_nan((q.astype(jnp.float32) * m).astype(dtype))  # common.h's NaN rule

@@ -162,3 +162,16 @@ def _pack(sign, e, q, sticky, nan, nan_bits, inf, zero) -> jax.Array:
     out = jnp.where(overflow, sign | _INF, jnp.where(underflow, sign, finite))
     out = jnp.where(inf, sign | _INF, jnp.where(zero, sign, out))
     return _float(jnp.where(nan, nan_bits, out))
+
+
+def canonical_nan(x: jax.Array) -> jax.Array:
+    """Every NaN of ``x`` as the decoders' NaN (common.h: canonical_nan):
+    0x7fc00000 as float32, 0x7fc0 as bfloat16, 0x7e00 as float16, whatever
+    NaN the platform's arithmetic made."""
+    dt = jnp.dtype(x.dtype)
+    if dt == jnp.float32:
+        nan = _float(jnp.asarray(np.uint32(0x7FC00000)))
+    else:
+        bits = {jnp.dtype(jnp.bfloat16): 0x7FC0, jnp.dtype(jnp.float16): 0x7E00}[dt]
+        nan = lax.bitcast_convert_type(jnp.asarray(np.uint16(bits)), dt)
+    return jnp.where(jnp.isnan(x), nan, x)

@@ -163,6 +163,18 @@ JC_HD f16_t from_f32<f16_t>(float v) {
   return f16_t{f32_to_f16_bits(v)};
 }
 
+// The NaN rule of the decoders: every NaN a decoder writes is the quiet NaN
+// 0x7fc00000 (0x7fc0 as bfloat16, 0x7e00 as float16: the conversions above
+// keep it so), whatever NaN the arithmetic made (x86 gives 0xffc00000 for an
+// invalid operation or passes an operand's payload on; NVIDIA GPUs give
+// 0x7fffffff). Cast, TopK and Identity copy values and keep their NaNs.
+JC_HD float canonical_nan(float v) { return v != v ? bits_f32(0x7fc00000u) : v; }
+
+template <typename T>
+JC_HD T decoded(float v) {
+  return from_f32<T>(canonical_nan(v));
+}
+
 // The element types of the float buffers, as the handlers see them.
 enum class DType : int { kF32 = 0, kBF16 = 1, kF16 = 2, kOther = 3 };
 
