@@ -21,6 +21,13 @@ def _cuda_machine() -> bool:
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "JAX_PLATFORMS" not in os.environ and _cuda_machine():
     os.environ["JAX_PLATFORMS"] = "cpu,cuda"
+# jax 0.11's XLA crashes (a segmentation fault in Shardy's canonicalizer,
+# ManualComputationUnusedInputsPattern) while compiling some shard_map
+# programs with inputs the body does not use: 23 optax and collectives tests
+# on jax 0.11.2; none on 0.10.2 or 0.12. The GSPMD partitioner compiles them
+# (docs/gpu.md, "Known issues").
+if importlib.metadata.version("jax").startswith("0.11."):
+    os.environ.setdefault("JAX_USE_SHARDY_PARTITIONER", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

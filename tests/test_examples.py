@@ -31,6 +31,24 @@ def test_parse_codec():
     assert common.parse_codec("onebit").build().bucket_size == 64
 
 
+def test_mesh_takes_the_default_platforms_devices():
+    """num_devices=None: every device of JAX's default platform (here the 8
+    simulated CPU devices), as many as divide the batch; a short platform
+    says what to do there."""
+    import jax
+
+    n = len(jax.devices())
+    assert common.make_mesh().size == n
+    assert common.make_mesh(None, 128).size == max(d for d in range(1, n + 1) if 128 % d == 0)
+    assert common.make_mesh(None, 3 * 7).size == max(d for d in range(1, n + 1) if 21 % d == 0)
+    assert common.make_mesh(1).size == 1
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count=99"):
+        common.make_mesh(99)
+    with pytest.raises(ValueError, match="does not split"):
+        common.make_mesh(3, 128)
+    assert "CPU device" in common.describe_devices(common.make_mesh(2))
+
+
 @pytest.mark.parametrize(
     "spec", ["", ":bits=4", "qsgd:bits", "float32:bits=4"], ids=["empty", "noname", "noeq", "f32"]
 )

@@ -90,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name:40s} {acc.mean():8.2f}% {bits:8.2f} {wire:10,.0f}")
     diff = acc - acc32
     spread = f" (min {diff.min():+.2f}, max {diff.max():+.2f} over seeds)" if len(diff) > 1 else ""
+    if wire > 0:
+        saving = f"{wire32 / wire:.1f}x fewer bytes on the wire per device and step"
+    else:  # one device: its all-reduce sends nothing
+        saving = (
+            f"{bits32 / bits:.1f}x fewer bits per gradient element (on one device nothing "
+            "crosses a wire)"
+        )
     print(
-        f"\ndifference: {diff.mean():+.2f} percentage points{spread}; "
-        f"{wire32 / wire:.1f}x fewer bytes on the wire per device and step "
+        f"\ndifference: {diff.mean():+.2f} percentage points{spread}; {saving} "
         f"[{time.perf_counter() - t0:.0f} s]"
     )
     return 0
