@@ -105,7 +105,8 @@ void decode_body(const DecodeArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
-    const float hi = a.side[2 * b], lo = a.side[2 * b + 1];
+    // Every value is one of the two means: the NaN rule (common.h) applied to them.
+    const float hi = canonical_nan(a.side[2 * b]), lo = canonical_nan(a.side[2 * b + 1]);
 #if JC_CPU_AVX2
     if (AVX2 && a.dtype == DType::kF32 && valid == B) {
       avx2::decode_bucket(a.codes + b * (B / 8), hi, lo, B, static_cast<float*>(a.out) + start);
