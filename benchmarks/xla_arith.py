@@ -13,22 +13,16 @@ codecs use, against numpy (correctly rounded, subnormals kept):
 - the bits of NaNs that arithmetic creates;
 - conversions float32 -> bfloat16/float16/FP8 and between the 16-bit types.
 
-With ``--dump DIR`` it also compiles small programs with
-``--xla_dump_to=DIR`` in a child process and lists the PTX instructions
-XLA chose for division, square root and multiply-add (the evidence for
-docs/codecs.md's per-backend contract).
+The counts are the evidence for docs/codecs.md's per-backend rules ("One
+answer").
 
-    python benchmarks/xla_arith.py --platform gpu [--dump DIR]
+    python benchmarks/xla_arith.py --platform gpu [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
-import sys
 
 import numpy as np
 
@@ -144,44 +138,10 @@ def probe(platform: str, n: int) -> dict:
     return r
 
 
-_PROGRAMS = """
-import jax, jax.numpy as jnp, numpy as np
-from jaxcomp.ops import _bucket as bk
-d = jax.devices("{platform}")[0]
-x = jax.device_put(np.ones((1 << 16,), np.float32), d)
-jax.jit(lambda a: a / (a + 1))(x).block_until_ready()                       # jc_div
-jax.jit(lambda a: jnp.sqrt(a))(x).block_until_ready()                       # jc_sqrt
-jax.jit(lambda a: a * (a + 1) + a)(x).block_until_ready()                   # jc_muladd
-jax.jit(lambda a: bk.tree_sum(a.reshape(-1, 512)))(x).block_until_ready()   # jc_tree
-from jaxcomp.codecs import FP8, QSGD, Int8, OneBit
-k = jax.device_put(jax.random.key(0), d)
-for c in [OneBit(), QSGD(bits=4, bucket_size=512, norm="l2"), Int8()]:
-    jax.jit(lambda a, k, c=c: c.encode(a, k, backend="xla"))(x, k)
-jax.jit(lambda a, k: FP8().encode(a.astype(jnp.bfloat16), k, backend="xla"))(x, k)
-"""
-
-
-def dump(platform: str, folder: str) -> dict:
-    """Compiles the programs above with XLA's dump on; the PTX instructions
-    of division, square root and multiply-add that XLA chose, by program."""
-    os.makedirs(folder, exist_ok=True)
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={folder} --xla_dump_hlo_as_text")
-    subprocess.run([sys.executable, "-c", _PROGRAMS.format(platform=platform)], env=env, check=True)
-    found = {}
-    pattern = re.compile(r"\b(div|sqrt|rsqrt|rcp|fma|mad|add|mul)\.[a-z0-9.]*f32\b")
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".ptx"):
-            with open(os.path.join(folder, name)) as f:
-                ops = sorted(set(m.group(0) for m in pattern.finditer(f.read())))
-            found[name] = ops
-    return found
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--platform", default="gpu")
     parser.add_argument("--n", type=int, default=1 << 22)
-    parser.add_argument("--dump", help="folder for XLA's dump (PTX on GPUs)")
     parser.add_argument("--json", help="write the results here too")
     args = parser.parse_args()
     import jax
@@ -190,10 +150,6 @@ def main() -> int:
     result = {"probe": probe(args.platform, args.n)}
     for k, v in result["probe"].items():
         print(f"{k:45s} {v}")
-    if args.dump:
-        result["ptx"] = dump(args.platform, args.dump)
-        for k, v in result["ptx"].items():
-            print(f"{k}: {' '.join(v)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -48,9 +48,16 @@ JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t
     const uint8_t* signs = a.codes + b * (B / 8);
     const bool direct = a.dtype == DType::kF32 && valid == B;
     float* out = direct ? static_cast<float*>(a.out) + start : buf.data();
-    for (int g = 0; g < B / 8; ++g) {
-      const uint32_t byte = signs[g];
-      for (int j = 0; j < 8; ++j) out[8 * g + j] = canonical_nan(bits_f32(scale ^ (((byte >> j) & 1u) << 31)));
+    if (a.side[b] != a.side[b]) {
+      // A NaN scale: the whole bucket is the decoders' NaN (common.h), of
+      // either sign bit; decided once per bucket, so the loop below stays a
+      // plain XOR.
+      std::fill(out, out + B, canonical_nan(a.side[b]));
+    } else {
+      for (int g = 0; g < B / 8; ++g) {
+        const uint32_t byte = signs[g];
+        for (int j = 0; j < 8; ++j) out[8 * g + j] = bits_f32(scale ^ (((byte >> j) & 1u) << 31));
+      }
     }
     if (!direct) cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
   }

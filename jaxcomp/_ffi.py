@@ -158,11 +158,7 @@ def cpu_isa() -> str | None:
 def kernels_line() -> str:
     """One line on the kernels this process runs, by platform: "CPU kernels
     avx2; CUDA kernels on NVIDIA H200", or why a platform has none."""
-    cpu = (
-        f"CPU kernels {cpu_isa()}"
-        if cpu_available()
-        else (f"CPU kernels {why_not_loaded('_jaxcomp_cpu')}")
-    )
+    cpu = f"CPU kernels {cpu_isa() if cpu_available() else why_not_loaded('_jaxcomp_cpu')}"
     try:
         gpus = jax.devices("cuda")
     except RuntimeError:

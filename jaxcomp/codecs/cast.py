@@ -100,10 +100,12 @@ def _astype(x: jax.Array, dtype) -> jax.Array:
     quiet with its payload; to bfloat16 a NaN becomes 0x7fc0 with its sign,
     to float16 a quiet NaN with its sign and the payload's top 10 bits. XLA's GPU code
     writes other NaNs (0x7fff, 0x7fffffff); the values are the same."""
-    bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    if x.dtype == jnp.bfloat16:
+    # The NaN's float32 bits (common.h: to_f32), then its bits in dtype.
+    if x.dtype == jnp.float32:
+        bits = lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype == jnp.bfloat16:
         bits = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-    elif x.dtype == jnp.float16:
+    else:
         h = lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
         bits = ((h & 0x8000) << 16) | np.uint32(0x7FC00000) | ((h & 0x3FF) << 13)
     if dtype == jnp.float32:

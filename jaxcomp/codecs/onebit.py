@@ -53,7 +53,7 @@ class OneBit(BucketedCodec):
 
     def twin_encode(self, x):
         n = x.size
-        xb = bk.daz(bk.to_buckets(x, self.bucket_size))  # as the kernels' arithmetic reads it
+        xb = ieee.daz(bk.to_buckets(x, self.bucket_size))  # as the kernels' arithmetic reads it
         p = xb >= 0  # NaN goes to the negative side and poisons avg-
         valid = jnp.arange(xb.size).reshape(xb.shape) < n
         npos = jnp.sum(p & valid, axis=1, dtype=jnp.uint32)

@@ -129,7 +129,7 @@ class QSGD(BucketedCodec):
 def encode_ref(x: jax.Array, seed: jax.Array, bits: int, bucket: int, l2: bool):
     s = (1 << (bits - 1)) - 1
     raw = bk.to_buckets(x, bucket)
-    xb = bk.daz(raw)  # the kernels' arithmetic reads subnormals as zeros
+    xb = ieee.daz(raw)  # the kernels' arithmetic reads subnormals as zeros
     if l2:
         scale = ieee.sqrt(bk.tree_sum(bk.exact_square(xb)))  # correctly rounded: ops/ieee.py
     else:

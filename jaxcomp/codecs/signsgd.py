@@ -20,6 +20,7 @@ import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, register
 from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
 
 
@@ -57,7 +58,7 @@ class SignSGD(BucketedCodec):
 
     def twin_encode(self, x):
         n, b = x.size, self.bucket_size
-        xb = bk.daz(bk.to_buckets(x, b))  # as the kernels' arithmetic reads it
+        xb = ieee.daz(bk.to_buckets(x, b))  # as the kernels' arithmetic reads it
         # signsgd.h: the halving-tree sum of |v| times 1 / count, each rounded
         # once (a quotient by a constant count would not survive XLA, which
         # may turn it into a product by the rounded reciprocal).

@@ -27,20 +27,6 @@ def from_buckets(buckets: jax.Array, n: int, dtype: jnp.dtype) -> jax.Array:
     return buckets.reshape(-1)[:n].astype(dtype)
 
 
-def daz(x: jax.Array) -> jax.Array:
-    """float32 subnormals as zeros of their sign: what the kernels' float
-    arithmetic and comparisons read (the CPU's DAZ mode, nvcc's --ftz=true,
-    docs/codecs.md "One answer"). XLA's CPU code reads them so itself; XLA's
-    GPU code keeps them, so the twins pass the values they compute with or
-    compare through this (never what they only read as bits, such as
-    max_abs's input)."""
-    tiny = np.float32(np.finfo(np.float32).tiny)
-    signed_zero = lax.bitcast_convert_type(
-        lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0x80000000), jnp.float32
-    )
-    return jnp.where(jnp.abs(x) < tiny, signed_zero, x)
-
-
 def max_abs(buckets: jax.Array) -> jax.Array:
     """Exact per-bucket max|x| through the ordered integer bits (NaN wins)."""
     bits = lax.bitcast_convert_type(buckets, jnp.uint32) & np.uint32(0x7FFFFFFF)

@@ -175,3 +175,17 @@ def canonical_nan(x: jax.Array) -> jax.Array:
         bits = {jnp.dtype(jnp.bfloat16): 0x7FC0, jnp.dtype(jnp.float16): 0x7E00}[dt]
         nan = lax.bitcast_convert_type(jnp.asarray(np.uint16(bits)), dt)
     return jnp.where(jnp.isnan(x), nan, x)
+
+
+def daz(x: jax.Array) -> jax.Array:
+    """float32 subnormals as zeros of their sign: what the kernels' float
+    arithmetic and comparisons read (the CPU's DAZ mode, nvcc's --ftz=true,
+    docs/codecs.md "One answer"). XLA's CPU code reads them so itself; XLA's
+    GPU code keeps them, so the twins pass the values they compute with or
+    compare through this (never what they only read as bits, such as
+    max_abs's input)."""
+    tiny = np.float32(np.finfo(np.float32).tiny)
+    signed_zero = lax.bitcast_convert_type(
+        lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0x80000000), jnp.float32
+    )
+    return jnp.where(jnp.abs(x) < tiny, signed_zero, x)

@@ -41,8 +41,8 @@ JC_HD float qsgd_value(uint32_t code, float step, int bits) {
 
 // v^2 as the sum of three exact products: v = h + l with h = v's top 12
 // significant bits, so h*h, h*l and l*l are exact in float32. Any FMA
-// contraction of this expression (XLA contracts multiplies that feed adds, on
-// CPU and GPU; the kernels never do) gives the same bits, which is what lets
+// contraction of this expression (XLA's CPU code contracts multiplies that
+// feed adds; the kernels never do) gives the same bits, which is what lets
 // the twins reproduce the L2 norm exactly. Within 2^-23 of the rounded square.
 JC_HD float exact_square(float v) {
   const float h = bits_f32(f32_bits(v) & 0xfffff000u);
