@@ -576,9 +576,9 @@ def main() -> int:
 
     if not args.twins and not jc.cpu_available():
         print(
-            "benchmarks/collectives.py: jaxcomp's CPU kernels are not built in the jaxcomp "
-            f"imported from {pathlib.Path(jc.__file__).parent}; install the package "
-            "(pip install .) or pass --twins to time the pure-JAX twins",
+            "benchmarks/collectives.py: jaxcomp's CPU kernels are not loaded "
+            f"({jc._ffi.why_not_loaded('_jaxcomp_cpu')}); "
+            "or pass --twins to time the pure-JAX twins",
             file=sys.stderr,
         )
         return 2

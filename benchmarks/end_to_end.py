@@ -580,9 +580,8 @@ def main() -> int:
 
     if not args.twins and not jc.cpu_available():
         print(
-            "benchmarks/end_to_end.py: jaxcomp's CPU kernels are not built in the jaxcomp "
-            f"imported from {pathlib.Path(jc.__file__).parent}; install the package or pass "
-            "--twins",
+            "benchmarks/end_to_end.py: jaxcomp's CPU kernels are not loaded "
+            f"({jc._ffi.why_not_loaded('_jaxcomp_cpu')}); or pass --twins",
             file=sys.stderr,
         )
         return 2

@@ -5,6 +5,7 @@ tests/test_adversarial.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -241,6 +242,17 @@ def test_invalid_config_value(name, kwargs, msg):
 
 @every_codec
 def test_unknown_parameter(codec):
-    """An unknown keyword: TypeError (the dataclass constructor's)."""
+    """An unknown keyword: TypeError (the dataclass constructor's); through
+    jc.codecs.get, as a keyword or in a spec string, a TypeError naming the
+    codec, the key and every parameter the codec has."""
     with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
         type(codec)(bogus=1)
+    cls = type(codec)
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    says = f"^jc\\.codecs\\.get: {cls.__name__} \\('{cls.name}'\\) "
+    says += "has no parameter 'bogus'" if fields else "takes no parameters; got 'bogus'"
+    for args, kwargs in (((cls.name,), {"bogus": 1}), ((f"{cls.name}:bogus=1",), {})):
+        with pytest.raises(TypeError, match=says) as e:
+            C.get(*args, **kwargs)
+        if fields:
+            assert f"its parameters are {', '.join(fields)}" in str(e.value)

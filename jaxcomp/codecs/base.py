@@ -31,6 +31,7 @@ defines, by name and by wire id.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import re
 from collections.abc import Callable, Sequence
@@ -192,12 +193,17 @@ def get(name: Any, **params: Any) -> Codec:
       The codec, equal to the one its class would construct.
     Raises:
       ValueError: an unknown name, with the known ones and the aliases
-        listed; or a bad parameter, as the codec's constructor reports it.
-      TypeError: anything else than the forms above.
+        listed and the closest one suggested; or a bad parameter value, as
+        the codec's constructor reports it.
+      TypeError: a parameter the codec does not have (in the string or the
+        keywords), with its parameters listed and the closest one
+        suggested; or anything else than the forms above.
     """
     if isinstance(name, Codec):
+        _check_keys(type(name), params, None)
         return dataclasses.replace(name, **params) if params else name
     if isinstance(name, type) and issubclass(name, Codec):
+        _check_keys(name, params, None)
         return name(**params)
     if not isinstance(name, str):
         raise TypeError(f"jc.codecs.get: expected {_SPEC_HELP}; got {type(name).__name__}")
@@ -220,11 +226,49 @@ def get(name: Any, **params: Any) -> Codec:
         cls = _REGISTRY[head]
     except KeyError:
         raise ValueError(
-            f"jc.codecs.get: unknown codec {head!r}; known: {names()} (aliases: "
+            f"jc.codecs.get: unknown codec {head!r}{_did_you_mean(head, [*_REGISTRY, *_ALIASES])}; "
+            f"known: {', '.join(names())} (aliases: "
             f"{', '.join(f'{a} = {_alias_target(a)}' for a in sorted(_ALIASES))}); "
             "parameters go after a colon: 'qsgd:bits=4'"
         ) from None
+    _check_keys(cls, spec, name)
+    _check_keys(cls, params, None)
     return cls(**{**spec, **params})
+
+
+def _did_you_mean(word: str, choices: Sequence[str]) -> str:
+    """A hint naming the closest of ``choices`` to ``word``, or ""."""
+    close = difflib.get_close_matches(word.lower(), list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_keys(cls: type[Codec], keys: Any, spec: str | None) -> None:
+    """TypeError for a key that is not a parameter of ``cls``, naming the
+    codec, the key, the parameters and the closest one. ``spec``: the spec
+    string the keys come from (None: keyword arguments)."""
+    fields = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in keys:
+        if key in fields:
+            continue
+        where = f" in {spec!r}" if spec is not None else ""
+        if not fields:
+            raise TypeError(
+                f"jc.codecs.get: {cls.__name__} ({cls.name!r}) takes no parameters; "
+                f"got {key!r}{where}"
+            )
+        raise TypeError(
+            f"jc.codecs.get: {cls.__name__} ({cls.name!r}) has no parameter {key!r}{where}"
+            f"{_did_you_mean(key, fields)}; its parameters are {', '.join(fields)}"
+            f"{_example(cls)}"
+        )
+
+
+def _example(cls: type[Codec]) -> str:
+    """The spec string of ``cls``'s defaults, as an example, or ""."""
+    try:
+        return f", as in {cls().spec!r}"
+    except (TypeError, ValueError):
+        return ""
 
 
 def _alias_target(alias: str) -> str:

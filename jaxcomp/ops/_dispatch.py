@@ -61,7 +61,7 @@ def dispatch(
         if not (cpu or cuda):
             raise RuntimeError(
                 f"backend='ffi' but no jaxcomp kernels are loaded: {kernels_line()}. "
-                "Use backend='xla' for the pure-JAX twins"
+                "backend='xla' or 'auto' runs the pure-JAX twins instead"
             )
         return tuple(kernel(*args))
     if any(a.size == 0 for a in args if hasattr(a, "size")):

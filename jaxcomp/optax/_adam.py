@@ -69,11 +69,37 @@ def freeze_step(state: OneBitAdamState, warmup_steps) -> jax.Array:
     return jnp.minimum(state.frozen_at, jnp.asarray(warmup_steps, jnp.int32))
 
 
+def _check_warmup_steps(warmup_steps: Any) -> None:
+    """The errors a Python ``warmup_steps`` can get (a traced one, under
+    ``optax.inject_hyperparams``, is used as it is)."""
+    how = (
+        "the number of steps of plain Adam (exact mean gradients, nothing compressed) "
+        "before the variance is frozen and the momentum goes through the codec. It "
+        "depends on the run's length: the paper (Tang et al. 2021) warms up for 15-25% "
+        "of training, e.g. warmup_steps=2000 for 10000 steps; freeze_tolerance=0.1 can "
+        "end the warm-up earlier, once the variance is stable (docs/training.md, "
+        '"When to freeze")'
+    )
+    if warmup_steps is None:
+        raise TypeError(f"{_WHO}: warmup_steps is required: {how}")
+    if isinstance(warmup_steps, (bool, np.bool_, float, np.floating)):
+        raise ValueError(
+            f"{_WHO}: warmup_steps must be an int (a number of steps), got {warmup_steps!r}; "
+            "for a fraction of the run write int(fraction * total_steps) (the paper warms "
+            "up for 15-25% of training)"
+        )
+    if isinstance(warmup_steps, (int, np.integer)) and warmup_steps < 1:
+        raise ValueError(
+            f"{_WHO}: warmup_steps must be at least 1 (the variance is frozen at the end "
+            f"of the warm-up, and Adam's variance starts at 0), got {warmup_steps}"
+        )
+
+
 def scale_by_onebit_adam(
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,
     *,
-    warmup_steps: int | jax.Array,
+    warmup_steps: int | jax.Array | None = None,
     freeze_tolerance: float | None = None,
     freeze_interval: int | None = None,
     send: str = "auto",
@@ -115,7 +141,9 @@ def scale_by_onebit_adam(
         1.25 bits per element, as the paper's 1-bit compression), a policy
         as ``compress_gradients`` takes.
       warmup_steps: steps of plain Adam before the variance is frozen (the
-        paper uses 15-25% of training for BERT; at least 1). May be a traced
+        paper uses 15-25% of training for BERT; at least 1). Required: the
+        right value depends on the run's length, and None (the default)
+        raises a ``TypeError`` that says how to choose it. May be a traced
         int (``optax.inject_hyperparams``).
       freeze_tolerance: None (freeze at ``warmup_steps``) or the relative
         change of the variance's sum over ``freeze_interval`` steps below
@@ -141,12 +169,7 @@ def scale_by_onebit_adam(
       :class:`OneBitAdamState`; place it first in the chain, in place of
       the gradient all-reduce.
     """
-    if isinstance(warmup_steps, (int, np.integer)) and not isinstance(warmup_steps, bool):
-        if warmup_steps < 1:
-            raise ValueError(
-                f"{_WHO}: warmup_steps must be at least 1 (the variance is frozen at the end "
-                f"of the warm-up, and Adam's variance starts at 0), got {warmup_steps}"
-            )
+    _check_warmup_steps(warmup_steps)
     # Python numbers are checked here; under optax.inject_hyperparams they
     # arrive traced, and are used as they are.
     if isinstance(freeze_tolerance, (int, float)) and not 0 < freeze_tolerance < 1:
@@ -265,7 +288,7 @@ def onebit_adam(
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,
     *,
-    warmup_steps: int | jax.Array,
+    warmup_steps: int | jax.Array | None = None,
     freeze_tolerance: float | None = None,
     freeze_interval: int | None = None,
     send: str = "auto",
