@@ -135,9 +135,8 @@ def _two_phase(codec, flat, axis_name, size, key, div, state):
 # all-reduce of its own, so that one segment's decoding and second
 # compression run while another's payloads are on the wire (see
 # pipeline_depth). 1, the default, turns the pipeline off: on the CPU test
-# bed (4 processes on 2 cores, gloo) 4 segments were no faster than one
-# (QSGD-4, 2^24 values: 0.33 s against 0.33 s at 1 Gbit, 1.79 s against
-# 1.59 s at 100 Mbit; docs/benchmarks.md), and GPUs have not measured it.
+# bed it saved nothing (the figures: docs/collectives.md, "Overlap: the
+# pipelined two-phase all-reduce"), and no GPU has measured it.
 PIPELINE_MAX_DEPTH = 1
 # ... and only where every owner's part of a segment keeps this many values
 # (below it a collective's fixed cost outweighs what the overlap saves).

@@ -114,11 +114,10 @@ def fused_backend(codec: Codec) -> str:
     (a sum over the received payloads, the residual update, the split into
     leaves) instead of the kernel writing a full-size float32 tensor that
     is read again; and the kernel on the CPU, where XLA's fused loops of
-    the twins run several times slower than the kernels (this jaxlib's
-    CPU backend: the OneBit allgather optimizer step, 4 devices, 4 x
-    2048x2048, took 997 ms with the twins against 455 ms with the kernels,
-    and the QSGD-4 two-phase all-reduce on the emulated 1 Gbit link 288
-    against 220 ms; docs/benchmarks.md). The twin gives the kernel's bits
+    the twins run several times slower than the kernels (the optimizer step
+    and the emulated-link all-reduce measured both ways: docs/benchmarks.md,
+    "The optimizer step" and "Compressed all-reduce over emulated links").
+    The twin gives the kernel's bits
     (the contract suite checks it); fused, XLA may contract a decoded
     product and the add it feeds into one FMA, so sums and residuals can
     differ from the kernel path's in the last bit, never more (every

@@ -32,8 +32,8 @@ _WHO = "jc.optax.compress_gradients"
 # Fusion saves collectives (their latency) at the cost of copying every fused
 # leaf into one buffer. Past a few MiB a leaf's transfer dwarfs a
 # collective's latency, and the copy (a pass writing the leaf's bytes) is
-# what costs: on the CPU benchmark of docs/benchmarks.md fusing four
-# 2048 x 2048 leaves into one 64 MiB buffer made the step ~15% slower.
+# what costs (docs/benchmarks.md, "The optimizer step": the fused copy was
+# the step's costliest operation).
 DEFAULT_FUSION_BYTES = 4 << 20
 DEFAULT_MIN_COMPRESS_SIZE = 1024
 # What update returns for a step whose mean gradient is not finite: "pass"
@@ -255,9 +255,8 @@ def _write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
 
     The select is taken on the state's own ``(1, *shape)`` arrays, not on
     the leaf-shaped ones and then expanded: XLA then needs one temporary
-    less (66 against 82 MiB per device for QSGD-4 on the benchmark of
-    docs/benchmarks.md, and each temporary costs page faults at every
-    step on the CPU)."""
+    less, and on the CPU each temporary costs page faults at every step
+    (docs/benchmarks.md, "The optimizer step")."""
     raw = plan.treedef.flatten_up_to(state_residuals)
     leaves = [
         optax.MaskedNode() if n is None else jnp.where(keep, n[None], o)
