@@ -334,7 +334,7 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
     # The bytes are intact; now check that they mean something.
     cls = codec_base.by_id(codec_id)
     if cls is None:
-        known = sorted((c.codec_id, c.name) for c in codec_base._BY_ID.values())
+        known = [(c.codec_id, c.name) for c in codec_base.registered()]
         raise _fail(f"unknown codec id {codec_id}; known: {known}")
     # The codec's own code runs on untrusted values here; whatever it raises is
     # a rejection of those values.
