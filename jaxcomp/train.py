@@ -12,13 +12,22 @@ Horovod loop: the user keeps the loss, the model, the optimizer and the
 loop; the step only moves the gradient average into the chain.
 
 Flax NNX models are taken as they are: ``init(model)`` splits the module
-into its parameters (trained, a plain dict) and the rest (kept as it was),
-and the loss receives the module rebuilt from both. See
-docs/training-loop.md.
+into its parameters (trained, a plain dict) and the rest, and the loss
+receives the module rebuilt from both; what the loss sets of the rest
+(BatchNorm's running statistics) is averaged over the data axis and kept
+for the next step. See docs/training-loop.md.
+
+Two guards: the step refuses an optimizer whose update does not all-reduce
+the gradients (every device would silently train its own copy of
+parameters typed as replicated), and on XLA:CPU it keeps at most one step
+in flight (``max_in_flight``), because many steps dispatched ahead can
+abort the process in XLA's collective rendezvous on a busy machine.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -56,6 +66,8 @@ class DataParallel:
       batch_sharding: the ``NamedSharding`` of a global batch (leading axis
         split over the data axes).
       replicated: the ``NamedSharding`` of the parameters.
+      max_in_flight: the most steps dispatched and not yet finished (an
+        int), or None for no bound (see :func:`data_parallel`).
     """
 
     def __init__(
@@ -68,6 +80,7 @@ class DataParallel:
         has_aux: bool = False,
         accumulate_steps: int = 1,
         donate: bool = True,
+        max_in_flight: int | str | None = "auto",
     ):
         if not callable(loss_fn):
             raise TypeError(f"jc.data_parallel: loss_fn must be callable, got {loss_fn!r}")
@@ -113,6 +126,8 @@ class DataParallel:
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
         self.replicated = NamedSharding(mesh, P())
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
+        self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
         self._module = None  # (graphdef, parameter template, rest) for an NNX model
         self._step = None  # the jitted step, built on the first call
 
@@ -123,8 +138,9 @@ class DataParallel:
 
         Args:
           params: a pytree of arrays, or a Flax NNX module (its ``nnx.Param``
-            variables are trained, as a plain dict; the other variables are
-            kept as they are and given to the loss with them).
+            variables are trained, as a plain dict; the other variables,
+            such as BatchNorm's statistics, are given to the loss with them
+            and kept by the step, see :meth:`module`).
         Returns:
           ``(params, opt_state)``: the parameters replicated over the mesh and
           the state of ``jc.optax.init`` (per-device residuals sharded over
@@ -145,8 +161,10 @@ class DataParallel:
         return params, init_state(self.tx, params, self.mesh, self.axis_name)
 
     def module(self, params):
-        """The NNX module rebuilt from trained ``params`` (for evaluation or
-        to write back: ``nnx.update(model, nnx.state(step.module(params)))``)."""
+        """The NNX module rebuilt from trained ``params`` and the other
+        variables as the last step left them (BatchNorm's running
+        statistics averaged over the devices), for evaluation or to write
+        back: ``nnx.update(model, nnx.state(step.module(params)))``."""
         if self._module is None:
             raise ValueError(
                 "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
@@ -205,7 +223,26 @@ class DataParallel:
             self._step = self._build()
         rest = () if self._module is None else self._module[2]
         keys = () if key is None else (key,)  # jit traces each arity once
-        return self._step(params, opt_state, batch, rest, *keys)
+        self._wait_for_room()
+        params, opt_state, out, changed = self._step(params, opt_state, batch, rest, *keys)
+        if self.max_in_flight is not None:
+            self._in_flight.append(out)
+        if any(c is not None for c in changed):
+            leaves, treedef = jax.tree.flatten(rest)
+            new = [o if c is None else c for o, c in zip(leaves, changed, strict=True)]
+            self._module = (*self._module[:2], treedef.unflatten(new))
+        return params, opt_state, out
+
+    def _wait_for_room(self) -> None:
+        """Blocks until fewer than ``max_in_flight`` steps are unfinished.
+
+        A step's outputs are ready once its program has finished on every
+        device (its loss is an output of that program), so waiting on the
+        oldest pending loss frees its slot without touching the parameters
+        that the next step donates.
+        """
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
 
     def _check_batch(self, batch) -> None:
         leaves = jax.tree.leaves(batch)
@@ -220,28 +257,53 @@ class DataParallel:
                     f"{self.accumulate_steps}); got shape {np.shape(x)}"
                 )
 
-    def _loss(self, params, rest, *args):
+    def _loss(self, params, rest, *args, mutated: list):
+        """``(loss, (aux, rest))``: the user's loss and aux (None without
+        ``has_aux``) and, for an NNX model, its non-parameter variables after
+        the loss ran; ``mutated`` gets, at trace time, whether the loss set
+        each of them (BatchNorm's statistics) or left it as it was."""
         if self._module is None:
-            return self.loss_fn(params, *args)
-        return self.loss_fn(self._merge(params, rest), *args)
+            out, new_rest = self.loss_fn(params, *args), rest
+        else:
+            # Variables made in this trace: the loss may set them (Flax refuses
+            # to set a Variable made in the trace outside value_and_grad's).
+            model = self._merge(params, jax.tree.map(lambda a: a, rest))
+            out = self.loss_fn(model, *args)
+            new_rest = _nnx().split(model, _nnx().Param, ...)[2]
+            if jax.tree.structure(new_rest) != jax.tree.structure(rest):
+                raise ValueError(
+                    "jc.data_parallel: the loss added or removed variables of the NNX module "
+                    "(nnx.sow, a lazily created variable); the step carries only the "
+                    "variables that init() saw. Return intermediates as aux (has_aux=True) "
+                    "and create other variables in the module's __init__."
+                )
+            old = jax.tree.leaves(rest)
+            mutated[:] = [n is not o for n, o in zip(jax.tree.leaves(new_rest), old, strict=True)]
+        loss, aux = out if self.has_aux else (out, None)
+        return loss, (aux, new_rest)
 
     def _build(self):
         from jaxcomp.optax._state import _specs
 
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
-        k = self.accumulate_steps
-        grad_fn = jax.value_and_grad(self._loss, has_aux=self.has_aux)
 
         def local(params, opt_state, batch, rest, key=None):
+            mutated: list = []
+            grad_fn = jax.value_and_grad(
+                functools.partial(self._loss, mutated=mutated), has_aux=True
+            )
             if key is not None:
                 key = jax.random.fold_in(key, lax.axis_index(axes))
-            if k == 1:
-                out, grads = grad_fn(params, rest, batch, *(() if key is None else (key,)))
+            if self.accumulate_steps == 1:
+                args = () if key is None else (key,)
+                (loss, (aux, rest)), grads = grad_fn(params, rest, batch, *args)
             else:
-                out, grads = self._accumulate(grad_fn, params, rest, batch, key)
+                (loss, aux), grads, rest = self._accumulate(grad_fn, params, rest, batch, key)
+            check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, _reduce_metrics(out, axes)
+            out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
+            return params, opt_state, out, _average_mutated(rest, mutated, axes)
 
         def step(params, opt_state, batch, rest, *key):
             state_specs = _specs(opt_state, self.axis_name)
@@ -255,7 +317,7 @@ class DataParallel:
                     P(),
                     *((P(),) * len(key)),
                 ),
-                out_specs=(P(), state_specs, P()),
+                out_specs=(P(), state_specs, P(), P()),
                 # jc.pmean's value is identical on every device but comes out of
                 # all_gathers that JAX types as per-device (docs/collectives.md).
                 check_vma=False,
@@ -266,29 +328,170 @@ class DataParallel:
 
     def _accumulate(self, grad_fn, params, rest, batch, key):
         """Gradient accumulation: the local batch in ``accumulate_steps``
-        microbatches, their gradients and outputs averaged, one update."""
+        microbatches, their gradients and ``(loss, aux)`` averaged, one
+        update; the NNX variables the loss sets go from one microbatch to
+        the next, as they would over as many steps."""
         k = self.accumulate_steps
         micro = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
         def body(carry, inputs):
+            total, rest = carry
             i, mb = inputs
             args = () if key is None else (jax.random.fold_in(key, i),)
-            out, grads = grad_fn(params, rest, mb, *args)
-            return jax.tree.map(jnp.add, carry, (out, grads)), None
+            (loss, (aux, rest)), grads = grad_fn(params, rest, mb, *args)
+            return (jax.tree.map(jnp.add, total, ((loss, aux), grads)), rest), None
 
         first = jax.tree.map(lambda x: x[0], micro)
-        shapes = jax.eval_shape(
+        (loss, (aux, _)), grads = jax.eval_shape(
             lambda: grad_fn(params, rest, first, *(() if key is None else (key,)))
         )
+        shapes = ((loss, aux), grads)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _acc_dtype(s.dtype)), shapes)
-        total, _ = lax.scan(body, zeros, (jnp.arange(k), micro))
+        (total, rest), _ = lax.scan(body, (zeros, rest), (jnp.arange(k), micro))
         out, grads = total
         grads = jax.tree.map(lambda g, s: (g / k).astype(s.dtype), grads, shapes[1])
 
         def mean(x, s):
             return (x / k).astype(s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else x
 
-        return jax.tree.map(mean, out, shapes[0]), grads
+        return jax.tree.map(mean, out, shapes[0]), grads, rest
+
+
+# -- does the update all-reduce the gradients? --------------------------------
+# The primitives that move data between the devices of a mesh axis. Any of
+# them counts as the all-reduce (a ring is ppermutes, two-phase an all_to_all
+# then an all_gather): the check looks for a chain with none at all on the way
+# from a gradient to a replicated output, not for a proof of invariance.
+_COLLECTIVES = frozenset(
+    {
+        "psum",
+        "psum_invariant",
+        "pmax",
+        "pmin",
+        "all_gather",
+        "all_gather_invariant",
+        "all_to_all",
+        "ppermute",
+        "reduce_scatter",
+    }
+)
+# What each value of the update's jaxpr depends on: (this device's data?,
+# the axes of the collectives it passed through).
+_CLEAN = (False, frozenset())
+
+
+def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
+    """Raises if ``tx.update`` would leave a replicated output (an update,
+    or a state leaf laid out as replicated) that depends on this device's
+    gradient without passing through a collective over every data axis.
+
+    Called inside the step's ``shard_map``, where the axes are bound: it
+    traces ``tx.update`` once more into a jaxpr and follows each value's
+    dependencies (:func:`_flow`). ``check_vma`` cannot say it: jaxcomp's
+    all-reduce ends in all_gathers that JAX types as per-device.
+    """
+    from jaxcomp.optax._state import _specs
+
+    closed, (updates, state) = jax.make_jaxpr(tx.update, return_shape=True)(
+        grads, opt_state, params
+    )
+    per_device = [s != P() for s in _flat_specs(_specs(opt_state, axis_name))]
+    sources = [True] * len(jax.tree.leaves(grads)) + per_device
+    sources += [False] * len(jax.tree.leaves(params))
+    if len(sources) != len(closed.jaxpr.invars):  # an input jax flattened otherwise
+        return
+    outs = _flow(closed.jaxpr, [(s, frozenset()) for s in sources])
+    named = [("updates" + jax.tree_util.keystr(k), P()) for k, _ in _with_path(updates)]
+    specs = _flat_specs(_specs(state, axis_name))
+    named += [
+        ("opt_state" + jax.tree_util.keystr(k), s)
+        for (k, _), s in zip(_with_path(state), specs, strict=True)
+    ]
+    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
+    for (name, spec), (local, reduced) in zip(named, outs, strict=True):
+        if spec == P() and local and not axes <= reduced:
+            raise ValueError(_not_reduced_message(name, axis_name, axes - reduced))
+
+
+def _not_reduced_message(name: str, axis_name, missing) -> str:
+    axis = axis_name if isinstance(axis_name, str) else tuple(axis_name)
+    missing = ", ".join(repr(a) for a in sorted(missing))
+    return (
+        f"jc.data_parallel: the optimizer does not average the gradients over the data "
+        f"axis {missing}: {name} depends on this device's gradient without passing "
+        "through a collective, so every device would update its own copy of parameters "
+        "typed as replicated and the copies would silently drift apart. Put the all-reduce "
+        f"first in the chain: optax.chain(jc.optax.compress_gradients(codec, {axis!r}), "
+        f"optax.adam(1e-3)), or optax.chain(jc.optax.pmean({axis!r}), optax.adam(1e-3)) "
+        "for the uncompressed baseline (also jc.optax.onebit_adam, jc.optax.powersgd)."
+    )
+
+
+def _flat_specs(specs) -> list:
+    return jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def _with_path(tree) -> list:
+    return jax.tree_util.tree_flatten_with_path(tree)[0]
+
+
+def _flow(jaxpr, inputs: list) -> list:
+    """What each output of ``jaxpr`` depends on, given its inputs' (see
+    ``_CLEAN``): a value depends on whatever its operands depend on, plus
+    the axes of the collectives that made it. A call (jit, custom_jvp,
+    custom_vjp, remat) is followed inside; a loop or a branch (scan,
+    while, cond) is taken whole: its outputs depend on all its inputs and
+    on every collective in its body."""
+    env = dict(zip(jaxpr.invars, inputs, strict=True))
+
+    def read(v):
+        return _CLEAN if isinstance(v, Literal) else env.get(v, _CLEAN)
+
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        body = _call_body(eqn)
+        if body is not None:
+            outs = _flow(body, ins)
+        else:
+            local = any(t[0] for t in ins) or eqn.primitive.name == "axis_index"
+            reduced = frozenset().union(*(t[1] for t in ins), _collective_axes(eqn))
+            outs = [(local, reduced)] * len(eqn.outvars)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for j in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(j, "eqns"):
+                yield j
+            elif hasattr(getattr(j, "jaxpr", None), "eqns"):  # a ClosedJaxpr
+                yield j.jaxpr
+
+
+def _call_body(eqn):
+    """The jaxpr of a call whose inputs and outputs are the equation's, else None."""
+    if eqn.primitive.name in ("scan", "while"):
+        return None
+    bodies = list(_subjaxprs(eqn))
+    if len(bodies) == 1 and (len(bodies[0].invars), len(bodies[0].outvars)) == (
+        len(eqn.invars),
+        len(eqn.outvars),
+    ):
+        return bodies[0]
+    return None
+
+
+def _collective_axes(eqn) -> frozenset:
+    """The mesh axes of the collectives of ``eqn`` and of its sub-jaxprs."""
+    axes = set()
+    if eqn.primitive.name in _COLLECTIVES:
+        names = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes.update(names if isinstance(names, (tuple, list)) else (names,))
+    for body in _subjaxprs(eqn):
+        for inner in body.eqns:
+            axes |= _collective_axes(inner)
+    return frozenset(axes)
 
 
 def _check_laid_out(opt_state) -> None:
@@ -318,6 +521,52 @@ def _reduce_metrics(out, axes):
     return jax.tree.map(reduce, out)
 
 
+def _average_mutated(rest, mutated: list, axes) -> list:
+    """The NNX variables the loss set, one entry per leaf of ``rest`` (None
+    where the loss left it alone, so the step does not copy it): floating
+    ones averaged over the data axes, as data-parallel BatchNorm averages
+    its running statistics; others (an RNG counter, which every device
+    advances alike) as they are."""
+
+    def average(x):
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+            return lax.pmean(x, axes)
+        return x
+
+    leaves = jax.tree.leaves(rest)
+    mutated = mutated or [False] * len(leaves)  # a pytree of parameters: no such variables
+    return [average(x) if m else None for x, m in zip(leaves, mutated, strict=True)]
+
+
+def _in_flight_bound(max_in_flight, mesh: Mesh, num_devices: int) -> int | None:
+    """``max_in_flight`` checked, with "auto" resolved per platform.
+
+    XLA:CPU aborts a process whose collective rendezvous waits longer than
+    40 s. Its devices' programs share a pool of max(cores, devices) threads,
+    and a participant holds one until all have arrived: with many steps
+    dispatched ahead on a busy machine, the threads can fill with one
+    step's participants waiting for devices still in an earlier step
+    (docs/training-loop.md, "Steps in flight"). With one step in flight,
+    every waiting participant waits for its own step's. GPUs (and one
+    device, which has no collective) keep JAX's asynchronous dispatch.
+    """
+    if isinstance(max_in_flight, str) and max_in_flight == "auto":
+        cpu = mesh.devices.flat[0].platform == "cpu"
+        return 1 if cpu and num_devices > 1 else None
+    if max_in_flight is None:
+        return None
+    if (
+        isinstance(max_in_flight, bool)
+        or not isinstance(max_in_flight, (int, np.integer))
+        or max_in_flight < 1
+    ):
+        raise ValueError(
+            'jc.data_parallel: max_in_flight must be "auto", an int >= 1 or None (no bound), '
+            f"got {max_in_flight!r}"
+        )
+    return int(max_in_flight)
+
+
 def data_parallel(
     loss_fn: Callable,
     tx: optax.GradientTransformation,
@@ -327,6 +576,7 @@ def data_parallel(
     has_aux: bool = False,
     accumulate_steps: int = 1,
     donate: bool = True,
+    max_in_flight: int | str | None = "auto",
 ) -> DataParallel:
     """A jitted data-parallel train step over ``mesh``.
 
@@ -336,15 +586,22 @@ def data_parallel(
     ``jax.jit`` semantics: every argument and result is a global array.
     Inside, each device computes ``loss_fn`` and its gradient on its shard of
     the batch, and ``tx`` (whose first element all-reduces the gradients:
-    ``jc.optax.compress_gradients``, ``onebit_adam`` or ``powersgd``, or a
-    plain ``lax.pmean``) updates the parameters, inside ``jax.shard_map``.
+    ``jc.optax.compress_gradients``, ``onebit_adam`` or ``powersgd``, or the
+    uncompressed ``jc.optax.pmean``) updates the parameters, inside
+    ``jax.shard_map``.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` or, when the step is given a key,
         ``loss_fn(params, batch, key)``, returning the scalar loss of this
         device's batch (a mean over its examples), or ``(loss, aux)`` with
-        ``has_aux``. With an NNX model, ``params`` is the module.
-      tx: the optax chain; its all-reduce runs over ``axis_name``.
+        ``has_aux``. With an NNX model, ``params`` is the module; the
+        non-parameter variables it sets (``nnx.BatchNorm``'s statistics)
+        are averaged over the devices after the step (the floating-point
+        ones; others, such as RNG counters, as device 0 left them) and
+        given to the next step.
+      tx: the optax chain; its all-reduce runs over ``axis_name``. The step
+        raises (at its first call) if the update does not all-reduce the
+        gradients: the replicated parameters would differ per device.
       mesh: the device mesh; all its axes of size > 1 are data axes.
       axis_name: the data axis, or the ``(slow, fast)`` pair of a
         hierarchical mesh (the batch is split over both).
@@ -355,6 +612,15 @@ def data_parallel(
       donate: donate the parameters and the optimizer state to the step
         (their buffers are reused; do not use the arrays passed in after
         the call).
+      max_in_flight: the most steps dispatched and not yet finished: before
+        a step is dispatched, the step waits for the oldest pending one's
+        loss. ``"auto"`` (the default) is 1 on a CPU mesh of several
+        devices, where XLA's collectives can abort a busy process with
+        many steps in flight (``Termination timeout for 'all reduce'``),
+        and no bound elsewhere (GPUs keep JAX's asynchronous dispatch). An
+        int >= 1 sets the bound on any platform; None lifts it. One step
+        in flight still overlaps the host's next batch with the device's
+        step; docs/training-loop.md measures what it costs.
     Returns:
       A :class:`DataParallel`: ``init``, the step itself, ``shard_batch``
       and, for NNX, ``module``.
@@ -367,4 +633,5 @@ def data_parallel(
         has_aux=has_aux,
         accumulate_steps=accumulate_steps,
         donate=donate,
+        max_in_flight=max_in_flight,
     )

@@ -1048,7 +1048,9 @@ def test_bad_configuration(kw, match):
 
 
 def test_telemetry_needs_a_compress_state():
-    with pytest.raises(ValueError, match=r"no jc\.optax\.compress_gradients state"):
+    with pytest.raises(
+        ValueError, match=r"no jc\.optax\.compress_gradients \(or powersgd, pmean\) state"
+    ):
         jc.optax.telemetry(optax.sgd(0.1).init(params0()))
 
 

@@ -316,3 +316,121 @@ def test_nnx_optimizer_route_is_refused():
     )
     with pytest.raises(ValueError, match=r"initialized outside the mapped function.*jc.optax.init"):
         nnx.jit(f)(model, opt, jnp.ones((64, 64)))
+
+
+# -- NNX variables that the loss sets: BatchNorm -------------------------------
+
+
+def _bn_net():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(16, 32, rngs=rngs)
+            self.bn = nnx.BatchNorm(32, momentum=0.9, rngs=rngs)
+            self.out = nnx.Linear(32, 1, rngs=rngs)
+            self.fixed = nnx.Variable(jnp.full(3, 1 / 3))  # never set: kept bit for bit
+
+        def __call__(self, x):
+            return self.out(nnx.relu(self.bn(self.lin(x))))
+
+    return Net(nnx.Rngs(0))
+
+
+def _bn_loss(model, batch):
+    x, y = batch
+    return jnp.mean((model(x) - y) ** 2)
+
+
+def _bn_stats_after(model, shards):
+    """BatchNorm's running statistics after the forward passes of ``shards``
+    (each a list of microbatches, run in order) on copies of ``model``,
+    averaged over the shards: what the step should keep."""
+    from flax import nnx
+
+    means, variances = [], []
+    for microbatches in shards:
+        m = nnx.clone(model)
+        for x in microbatches:
+            m(x)
+        means.append(np.asarray(m.bn.mean[...]))
+        variances.append(np.asarray(m.bn.var[...]))
+    return np.mean(means, axis=0), np.mean(variances, axis=0)
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["one_batch", "accumulate_2"])
+def test_nnx_batchnorm_statistics_are_averaged_and_carried(k):
+    """Each device's BatchNorm updates its running statistics on its rows
+    (on each microbatch in turn); the step keeps their average over the
+    devices, replicated, and the next step starts from it."""
+    mesh = _mesh()
+    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    step = jc.data_parallel(_bn_loss, tx, mesh, accumulate_steps=k, donate=False)
+    model = _bn_net()
+    params, opt_state = step.init(model)
+    rng = np.random.default_rng(0)
+    # Every device's rows drawn around their own mean, so the statistics differ.
+    x = (rng.standard_normal((128, 16)) + np.repeat(np.arange(8), 16)[:, None]).astype(np.float32)
+    batch = step.shard_batch((x, np.sin(x[:, :1])))
+    shards = [np.split(x[16 * d : 16 * (d + 1)], k) for d in range(8)]
+    start = step.module(params)
+    for _ in range(2):
+        want_mean, want_var = _bn_stats_after(start, shards)
+        params, opt_state, loss = step(params, opt_state, batch)
+        trained = step.module(params)
+        np.testing.assert_allclose(
+            np.asarray(trained.bn.mean[...]), want_mean, rtol=1e-5, atol=1e-6
+        )
+        np.testing.assert_allclose(np.asarray(trained.bn.var[...]), want_var, rtol=1e-5, atol=1e-6)
+        assert trained.bn.mean[...].sharding.spec == P()
+        start = trained
+    assert not np.allclose(np.asarray(start.bn.mean[...]), 0)  # the statistics moved
+    np.testing.assert_array_equal(np.asarray(start.fixed[...]), np.full(3, np.float32(1 / 3)))
+    assert np.isfinite(float(loss))
+
+
+# -- steps in flight ----------------------------------------------------------
+
+
+def test_cpu_mesh_keeps_one_step_in_flight():
+    """On the CPU the step waits for the previous step before dispatching
+    the next (tests/test_loop_under_load.py runs the documented loop under
+    load); max_in_flight sets or lifts the bound."""
+    mesh = _mesh()
+    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    params0, batch = _mlp()
+    step = jc.data_parallel(_mlp_loss, tx, mesh)
+    assert step.max_in_flight == 1
+    params, opt_state = step.init(params0)
+    params, opt_state, first = step(params, opt_state, batch)
+    params, opt_state, _ = step(params, opt_state, batch)
+    assert first.is_ready()  # the second call waited for it
+    assert jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=None).max_in_flight is None
+    assert jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=3).max_in_flight == 3
+    one_device = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    assert jc.data_parallel(_mlp_loss, tx, one_device).max_in_flight is None  # no collective
+    for bad in (0, True, "always", 1.5):
+        with pytest.raises(ValueError, match="max_in_flight must be"):
+            jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=bad)
+
+
+def test_nnx_loss_that_adds_variables_is_refused():
+    """The step carries the variables init() saw; one that the loss creates
+    (here lazily, on the first call) has nowhere to go, and the error says
+    what to do instead."""
+    from flax import nnx
+
+    class Lazy(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(32, 1, rngs=rngs)
+
+        def __call__(self, x):
+            y = self.lin(x)
+            self.last_mean = nnx.BatchStat(jnp.mean(y))
+            return y
+
+    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    step = jc.data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), tx, _mesh())
+    params, opt_state = step.init(Lazy(nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"added or removed variables.*has_aux=True"):
+        step(params, opt_state, _mlp()[1])

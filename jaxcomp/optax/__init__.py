@@ -7,11 +7,13 @@ the telemetry; tensor fusion, the per-leaf codec policy and warm-up decide
 how each step sends the gradients, and the state does not depend on them.
 ``onebit_adam`` is Adam whose momentum is sent compressed after a warm-up
 (1-bit Adam); ``powersgd`` sends a low-rank approximation of every
-matrix-shaped gradient (PowerSGD). See docs/training.md.
+matrix-shaped gradient (PowerSGD); ``pmean`` is the uncompressed baseline
+(``lax.pmean`` of the gradients, with telemetry). See docs/training.md.
 """
 
 from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
+from jaxcomp.optax._pmean import PmeanState, pmean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
 from jaxcomp.optax._state import init, state_specs, telemetry
 from jaxcomp.optax._telemetry import Telemetry
@@ -22,12 +24,14 @@ __all__ = [
     "CompressState",
     "OneBitAdamState",
     "Plan",
+    "PmeanState",
     "PowerSGDState",
     "Telemetry",
     "compress_gradients",
     "init",
     "make_plan",
     "onebit_adam",
+    "pmean",
     "powersgd",
     "scale_by_onebit_adam",
     "state_specs",

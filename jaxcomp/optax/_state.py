@@ -12,6 +12,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.optax._adam import OneBitAdamState
+from jaxcomp.optax._pmean import PmeanState
 from jaxcomp.optax._powersgd import PowerSGDState
 from jaxcomp.optax._transform import INIT_RECORDS, CompressState
 
@@ -47,11 +48,17 @@ _GRADIENT_STATISTICS = _SECOND_MOMENT_STATES + tuple(
 )
 
 
+# The states of the transformations that all-reduce the gradients (the
+# uncompressed baseline included): telemetry reads them, and they decide
+# which leaves are laid out per device.
+_ALL_REDUCE_STATES = (CompressState, PowerSGDState, PmeanState)
+
+
 def _is_compress(x) -> bool:
-    return isinstance(x, (CompressState, PowerSGDState))
+    return isinstance(x, _ALL_REDUCE_STATES)
 
 
-def _find(opt_state) -> list[CompressState]:
+def _find(opt_state) -> list:
     return [s for s in jax.tree.leaves(opt_state, is_leaf=_is_compress) if _is_compress(s)]
 
 
@@ -60,8 +67,11 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
 
     Args:
       opt_state: an optimizer state holding a :class:`CompressState`
-        anywhere (a chain, ``inject_hyperparams``, ``MultiSteps``, ...; the
-        first one counts if there are several).
+        (or a ``powersgd`` or ``pmean`` state) anywhere (a chain,
+        ``inject_hyperparams``, ``MultiSteps``, ...; the first one counts
+        if there are several). The uncompressed ``jc.optax.pmean``
+        reports the gradients' own bits per element and the bytes its
+        all-reduce sends (see :class:`PmeanState`).
     Returns:
       ``{"step", "bits_per_element", "wire_bytes", "compression_ratio",
       "residual_norm", "skipped_steps"}``: scalars for a shard_map state,
@@ -75,8 +85,9 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
     found = _find(opt_state)
     if not found:
         raise ValueError(
-            "jc.optax.telemetry: no jc.optax.compress_gradients state inside this optimizer "
-            "state; pass the whole opt_state of a chain that contains compress_gradients"
+            "jc.optax.telemetry: no jc.optax.compress_gradients (or powersgd, pmean) state "
+            "inside this optimizer state; pass the whole opt_state of a chain that contains "
+            "one"
         )
     s = found[0]
     return {"step": s.step, **s.telemetry._asdict()}
@@ -95,9 +106,10 @@ def state_specs(opt_state, axis_name) -> Any:
     ``[devices, *leaf.shape]`` array per floating-point parameter leaf) and
     its server residuals (one ``[devices, m]`` array per fused bucket), and
     the accumulated gradients of an ``optax.MultiSteps`` whose inner state
-    holds a ``compress_gradients`` state (they are summed before the
-    compressed all-reduce, so they differ per device; they are stored
-    concatenated along their first axis).
+    holds a ``compress_gradients`` (or ``pmean``) state (they are summed
+    before the all-reduce, so they differ per device; they are stored
+    concatenated along their first axis). A ``jc.optax.pmean`` state is
+    replicated.
 
     Args:
       opt_state: the optimizer state, or its ``jax.eval_shape``.
@@ -106,16 +118,17 @@ def state_specs(opt_state, axis_name) -> Any:
       A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
       ``in_specs`` / ``out_specs`` of ``jax.shard_map``.
     Raises:
-      ValueError: ``opt_state`` holds no ``compress_gradients`` state (a
-        chain without compression, or a container hiding it, such as an
+      ValueError: ``opt_state`` holds no ``compress_gradients``,
+        ``powersgd`` or ``pmean`` state (a chain whose all-reduce jaxcomp
+        does not know, or a container hiding it, such as an
         NNX ``nnx.State``): every leaf would silently be replicated; or it
         was made by a plain ``tx.init`` outside the mesh (one residual row
         on one device).
     """
     if not _find(opt_state):
         raise ValueError(
-            "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam, powersgd) "
-            "state inside "
+            "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam, powersgd, "
+            "pmean) state inside "
             f"this optimizer state (a {type(opt_state).__name__}), so no leaf would be laid out "
             "per device. Pass the optax state itself, as tx.init or jc.optax.init returned it "
             "(a container that wraps its leaves, such as a Flax NNX optimizer's nnx.State, "
@@ -134,7 +147,7 @@ def _check_laid_out(opt_state) -> None:
     if jax.device_count() < 2:
         return
     for s in _find(opt_state):
-        for r in jax.tree.leaves(s.residuals):
+        for r in jax.tree.leaves(getattr(s, "residuals", ())):
             sharding = getattr(r, "sharding", None)
             if (
                 isinstance(r, jax.Array)
@@ -163,6 +176,8 @@ def _specs(opt_state, axis_name) -> Any:
                 residuals=jax.tree.map(lambda _: spec, x.residuals),
                 rest=jax.tree.map(walk, x.rest, is_leaf=is_node),
             )
+        if isinstance(x, PmeanState):
+            return jax.tree.map(lambda _: P(), x)
         if isinstance(x, CompressState):
             rep = jax.tree.map(lambda _: P(), x)
             return rep._replace(
@@ -273,7 +288,7 @@ def _check_order(opt_state) -> None:
     device."""
 
     def is_node(x):
-        return isinstance(x, (CompressState, PowerSGDState, OneBitAdamState, *_GRADIENT_STATISTICS))
+        return isinstance(x, (*_ALL_REDUCE_STATES, OneBitAdamState, *_GRADIENT_STATISTICS))
 
     finite_check = getattr(optax, "ApplyIfFiniteState", None)
     if finite_check is not None:
@@ -292,7 +307,7 @@ def _check_order(opt_state) -> None:
     for x in jax.tree.leaves(opt_state, is_leaf=is_node):
         if isinstance(x, _GRADIENT_STATISTICS) and before is None:
             before = type(x).__name__
-        elif isinstance(x, (CompressState, PowerSGDState, OneBitAdamState)) and before:
+        elif isinstance(x, (*_ALL_REDUCE_STATES, OneBitAdamState)) and before:
             raise ValueError(
                 f"jc.optax.init: the chain runs an optimizer with gradient statistics "
                 f"({before}: momentum, Adam, ...) before the compressed all-reduce "

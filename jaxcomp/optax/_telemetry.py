@@ -64,14 +64,21 @@ def count_skipped(previous: Telemetry, ok) -> jax.Array:
     return previous.skipped_steps + jnp.logical_not(ok).astype(jnp.int32)
 
 
-def _stats(payload: float, wire: float, plan: Plan, p: int) -> tuple[float, float, float]:
+def _stats(payload: float, wire: float, elements: int, p: int) -> tuple[float, float, float]:
     """(bits_per_element, wire_bytes, compression_ratio) of a step."""
-    bits = 8.0 * payload / max(plan.num_elements, 1)
+    bits = 8.0 * payload / max(elements, 1)
     if p > 1:
-        ratio = uncompressed_send_nbytes(4 * plan.num_elements, p) / wire if wire else 1.0
+        ratio = uncompressed_send_nbytes(4 * elements, p) / wire if wire else 1.0
     else:
         ratio = 32.0 / bits if bits else 1.0
     return bits, wire, ratio
+
+
+def exact_stats(payload: int, elements: int, p: int) -> tuple[float, float, float]:
+    """(bits_per_element, wire_bytes, compression_ratio) of an uncompressed
+    all-reduce of ``payload`` bytes holding ``elements`` gradient elements
+    over ``p`` devices (``jc.optax.pmean``): what a ring all-reduce sends."""
+    return _stats(payload, uncompressed_send_nbytes(payload, p), elements, p)
 
 
 def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
@@ -93,8 +100,8 @@ def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
     raw_payload = sum(b.size * b.dtype.itemsize for b in plan.buckets)
     raw_wire = uncompressed_send_nbytes(raw_payload, p)
     return (
-        _stats(comp_payload + exact_payload, comp_wire + exact_wire, plan, p),
-        _stats(raw_payload + exact_payload, exact_wire + raw_wire, plan, p),
+        _stats(comp_payload + exact_payload, comp_wire + exact_wire, plan.num_elements, p),
+        _stats(raw_payload + exact_payload, exact_wire + raw_wire, plan.num_elements, p),
     )
 
 

@@ -1,0 +1,124 @@
+"""``pmean``: the uncompressed gradient all-reduce as an optax
+transformation, the baseline that ``compress_gradients`` is measured
+against. It is what a hand-written data-parallel step does with
+``lax.pmean(grads, axis)``, with a state that ``jc.optax.init``,
+``state_specs`` and ``telemetry`` understand, so that the same loop (and
+``jc.data_parallel``) runs both and reports the bytes each one sends."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jaxcomp._axes import describe_bound_axes
+from jaxcomp.optax._telemetry import Telemetry, exact_stats, zero_telemetry
+
+_WHO = "jc.optax.pmean"
+
+
+class PmeanState(NamedTuple):
+    """State of :func:`pmean` (every leaf replicated: nothing is per device).
+
+    Attributes:
+      step: int32[]: updates applied so far.
+      telemetry: :class:`Telemetry` of the last step: the gradients' own
+        bits per element (32 for float32), the bytes a ring all-reduce of
+        them sends per device, a compression ratio of 1 for float32
+        gradients; ``residual_norm`` and ``skipped_steps`` are 0 (there is
+        no residual, and no step is skipped).
+    """
+
+    step: jax.Array
+    telemetry: Telemetry
+
+
+def _axis_names(axis_name) -> tuple:
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 2:
+            raise ValueError(
+                f"{_WHO}: axis_name must be one mesh axis or a (slow, fast) pair, got {axis_name!r}"
+            )
+        return tuple(axis_name)
+    return (axis_name,)
+
+
+def _bound_sizes(axes: tuple) -> tuple[int, ...]:
+    sizes = []
+    for a in axes:
+        try:
+            sizes.append(int(lax.axis_size(a)))
+        except NameError as e:
+            raise ValueError(
+                f"{_WHO}: update must run inside jax.shard_map or jax.pmap over the axis "
+                f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
+                "train step (docs/training-loop.md), or pass the axis_name of your mesh / pmap."
+                + describe_bound_axes()
+            ) from e
+    return tuple(sizes)
+
+
+def _is_reduced(g) -> bool:
+    """Floating-point and complex gradients are averaged; float0 gradients
+    (of integer parameters) carry nothing and pass through."""
+    return jnp.issubdtype(g.dtype, jnp.inexact)
+
+
+def pmean(axis_name="data") -> optax.GradientTransformation:
+    """The mean of the gradients over ``axis_name``, uncompressed.
+
+    The documented baseline: the first element of an ``optax.chain`` inside
+    a ``jax.shard_map``'d (or ``jax.pmap``'d) train step or
+    ``jc.data_parallel``, exactly ``lax.pmean(grads, axis_name)`` (one
+    all-reduce of every floating-point leaf, summed by the backend: XLA's,
+    NCCL's or gloo's). Swap it for ``compress_gradients(codec, axis_name)``
+    to compare; ``compress_gradients("identity", axis_name)`` is uncompressed
+    too, but goes through jaxcomp's collectives and keeps a residual state.
+
+    Args:
+      axis_name: the data-parallel mesh / pmap axis, or the ``(slow, fast)``
+        pair of a hierarchical mesh (the mean is then over both).
+    Returns:
+      An ``optax.GradientTransformation`` whose state is a
+      :class:`PmeanState`, replicated; ``jc.optax.telemetry`` reads it.
+    """
+    axes = _axis_names(axis_name)
+
+    def init_fn(params) -> PmeanState:
+        del params
+        return PmeanState(step=jnp.zeros((), jnp.int32), telemetry=zero_telemetry())
+
+    def update_fn(grads, state: PmeanState, params=None):
+        del params
+        if not isinstance(state, PmeanState):
+            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a PmeanState")
+        sizes = _bound_sizes(axes)
+        leaves, treedef = jax.tree.flatten(grads)
+        reduced = [i for i, g in enumerate(leaves) if _is_reduced(g)]
+        means = lax.pmean([leaves[i] for i in reduced], axes if len(axes) > 1 else axes[0])
+        for i, m in zip(reduced, means, strict=True):
+            leaves[i] = m
+        return treedef.unflatten(leaves), PmeanState(
+            step=state.step + 1, telemetry=_telemetry(grads, sizes, state.telemetry)
+        )
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _telemetry(grads, sizes: tuple[int, ...], previous: Telemetry) -> Telemetry:
+    """Static accounting of one step: every element at its own width."""
+    leaves = jax.tree.leaves(grads)
+    elements = sum(int(np.prod(g.shape, dtype=np.int64)) for g in leaves)
+    payload = sum(g.size * g.dtype.itemsize for g in leaves if _is_reduced(g))
+    bits, wire, ratio = exact_stats(payload, elements, int(np.prod(sizes)))
+    return Telemetry(
+        jnp.float32(bits),
+        jnp.float32(wire),
+        jnp.float32(ratio),
+        jnp.zeros((), jnp.float32),
+        previous.skipped_steps,
+    )
