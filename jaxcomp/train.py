@@ -81,6 +81,7 @@ class DataParallel:
         accumulate_steps: int = 1,
         donate: bool = True,
         max_in_flight: int | str | None = "auto",
+        require_all_reduce: bool = True,
     ):
         if not callable(loss_fn):
             raise TypeError(f"jc.data_parallel: loss_fn must be callable, got {loss_fn!r}")
@@ -127,6 +128,7 @@ class DataParallel:
         self.replicated = NamedSharding(mesh, P())
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
+        self.require_all_reduce = bool(require_all_reduce)
         self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
         self._module = None  # (graphdef, parameter template, rest) for an NNX model
         self._step = None  # the jitted step, built on the first call
@@ -299,7 +301,8 @@ class DataParallel:
                 (loss, (aux, rest)), grads = grad_fn(params, rest, batch, *args)
             else:
                 (loss, aux), grads, rest = self._accumulate(grad_fn, params, rest, batch, key)
-            check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
+            if self.require_all_reduce:
+                check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
@@ -577,6 +580,7 @@ def data_parallel(
     accumulate_steps: int = 1,
     donate: bool = True,
     max_in_flight: int | str | None = "auto",
+    require_all_reduce: bool = True,
 ) -> DataParallel:
     """A jitted data-parallel train step over ``mesh``.
 
@@ -621,6 +625,11 @@ def data_parallel(
         int >= 1 sets the bound on any platform; None lifts it. One step
         in flight still overlaps the host's next batch with the device's
         step; docs/training-loop.md measures what it costs.
+      require_all_reduce: refuse an update that does not all-reduce the
+        gradients (above). False lets each device apply its own gradient,
+        for what means it (timing the compute alone, as
+        benchmarks/end_to_end.py does); the parameters are then typed as
+        replicated but differ per device.
     Returns:
       A :class:`DataParallel`: ``init``, the step itself, ``shard_batch``
       and, for NNX, ``module``.
@@ -634,4 +643,5 @@ def data_parallel(
         accumulate_steps=accumulate_steps,
         donate=donate,
         max_in_flight=max_in_flight,
+        require_all_reduce=require_all_reduce,
     )
