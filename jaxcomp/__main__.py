@@ -1,8 +1,9 @@
-"""Command line: ``python -m jaxcomp {demo,bench,info} ...``."""
+"""Command line: ``python -m jaxcomp {demo,bench,info,plan} ...``."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -83,12 +84,188 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_cpu_devices(count: int) -> None:
+    """The plan compiles the all-reduce on a CPU mesh to read XLA's memory
+    traffic: ask JAX for that many CPU devices before its backends start
+    (if they already have, the devices present are used)."""
+    import jax
+
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass
+
+
+def _cluster(args: argparse.Namespace):
+    from jaxcomp import planning
+
+    if args.testbed:
+        inter = planning.testbed_link(args.testbed)
+    else:
+        inter = planning.Link(
+            planning.parse_rate(args.bandwidth), planning.parse_seconds(args.latency), args.goodput
+        )
+    intra = None
+    if args.intra_bandwidth:
+        intra = planning.Link(
+            planning.parse_rate(args.intra_bandwidth), planning.parse_seconds(args.intra_latency)
+        )
+    return planning.Cluster(args.processes, args.devices_per_process, inter, intra)
+
+
+def _compute(args: argparse.Namespace, codecs):
+    from jaxcomp import planning
+    from jaxcomp.codecs.base import Rate
+
+    if args.no_compute:
+        return None
+    if args.compute:
+        return planning.load_compute(args.compute, share=args.cpu_share)
+    # The sparse codecs' dense stage runs its value codec's kernels too.
+    nested = [c.value_codec for c in codecs if c.rate is Rate.SPARSE and c.value_codec is not None]
+    return planning.measure_compute(
+        [*codecs, *nested], 1 << args.compute_size, share=args.cpu_share
+    )
+
+
+def _plan_check(args: argparse.Namespace) -> int:
+    from jaxcomp import planning
+
+    with open(args.check) as f:
+        rows = json.load(f)
+    cpu = planning.load_compute(args.compute or "benchmarks/results/codecs.json")
+    gpu = planning.load_compute(args.gpu_compute) if args.gpu_compute else None
+    checks = planning.check(rows, cpu, gpu)
+    for table in dict.fromkeys(c.table for c in checks):
+        part = [c for c in checks if c.table == table]
+        unit = "ms" if table == "gpu train step" else "s"
+        print(f"\n{table}:\n")
+        print(planning.check_table(part, unit))
+    claimed = [abs(c.error) for c in checks if c.claimed]
+    print(f"\nclaimed rows: {len(claimed)}, largest error {100 * max(claimed):.0f}%")
+    return 0
+
+
+def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool) -> str:
+    intra = cluster.intra
+    return (
+        f"{n:,} float32 gradient values per device in {k} all-reduce(s); "
+        f"{cluster.processes} process(es) x {cluster.devices_per_process} device(s); "
+        f"link {cluster.inter.bandwidth / 1e9:g} Gbit/s, {cluster.inter.latency * 1e6:g} us"
+        + (
+            f"; within a process {intra.bandwidth / 1e9:g} Gbit/s, {intra.latency * 1e6:g} us"
+            if intra
+            else ""
+        )
+        + f"\ncompute: {compute.source + f', share {compute.share:g}' if compute else 'left out'}"
+        + f"\nerror feedback: {'counted' if error_feedback else 'left out'}\n"
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jaxcomp import codecs as jcc
+    from jaxcomp import planning
+
+    _start_cpu_devices(planning.TRAFFIC_MAX_DEVICES)
+    if args.check:
+        return _plan_check(args)
+    try:  # a unit or a codec spec the user mistyped: one line, not a traceback
+        codecs = [jcc.get(s) for s in args.codecs] if args.codecs else planning.default_codecs()
+        cluster = _cluster(args)
+        n = planning.parse_count(args.params)
+    except (ValueError, TypeError) as e:
+        print(f"python -m jaxcomp plan: error: {e}", file=sys.stderr)
+        return 2
+    codecs = [c for c in codecs if c.bits_per_element() >= args.min_bits]
+    compute = _compute(args, codecs)
+    bucket = max(1, int(args.bucket_mb * (1 << 20)) // 4) if args.bucket_mb else None
+    ef = not args.no_error_feedback
+    rows = planning.plan(
+        n,
+        cluster,
+        compute,
+        codecs=codecs,
+        algorithms=args.algorithms,
+        error_feedback=ef,
+        bucket=bucket,
+    )
+    k = 1 if not bucket or n <= bucket else -(-n // bucket)
+    print(_plan_header(n, k, cluster, compute, ef))
+    print(planning.table(rows, args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            out = [{**dataclasses.asdict(e), "codec": e.name, "seconds": e.seconds} for e in rows]
+            json.dump(out, f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="predict and rank every codec x algorithm for a model and a cluster (docs/choosing.md)",
+        description="Predicts the all-reduce time of every codec and algorithm (the alpha-beta "
+        "model of the library's own bytes, plus the codecs' kernels measured on this machine) "
+        "and ranks them against lax.psum. See docs/choosing.md.",
+    )
+    p.add_argument("--params", default="100M", help="gradient values per device (100M, 1B, 4.25e6)")
+    p.add_argument("--processes", type=int, default=4, help="processes (nodes) (default 4)")
+    p.add_argument("--devices-per-process", type=int, default=1, help="devices of each process")
+    p.add_argument("--bandwidth", default="10gbit", help="between processes, per process (10gbit)")
+    p.add_argument("--latency", default="50us", help="between processes, per message (50us)")
+    p.add_argument(
+        "--goodput",
+        type=float,
+        default=1.0,
+        help="fraction of --bandwidth transfers get (TCP over Ethernet, 1500 MTU: 0.94)",
+    )
+    p.add_argument(
+        "--intra-bandwidth", help="between the devices of a process, per device (900GB/s)"
+    )
+    p.add_argument("--intra-latency", default="5us", help="within a process, per message (5us)")
+    p.add_argument(
+        "--testbed",
+        choices=["1gbit", "100mbit"],
+        help="the project's emulated link instead of --bandwidth/--latency (testbed.md)",
+    )
+    p.add_argument(
+        "--bucket-mb", type=float, default=64.0, help="MiB of gradient per all-reduce (64)"
+    )
+    p.add_argument(
+        "--codecs", nargs="*", help="codec specs (qsgd:bits=4 bf16 ...); default: one of each"
+    )
+    p.add_argument("--algorithms", nargs="*", help="only these algorithms (ring: also the ring)")
+    p.add_argument(
+        "--min-bits",
+        type=float,
+        default=0.0,
+        help="leave out codecs of fewer bits per element (8 for Adam, docs/training.md)",
+    )
+    p.add_argument(
+        "--no-error-feedback", action="store_true", help="leave error feedback's cost out"
+    )
+    p.add_argument("--compute", help="a `python -m jaxcomp bench --json` file instead of measuring")
+    p.add_argument("--no-compute", action="store_true", help="the wire alone, no codec compute")
+    p.add_argument("--compute-size", type=int, default=22, help="log2 of the size measured (22)")
+    p.add_argument(
+        "--cpu-share",
+        type=float,
+        default=1.0,
+        help="how many times slower than measured the compute runs (processes sharing the cores)",
+    )
+    p.add_argument("--top", type=int, help="print only the best rows")
+    p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--check", metavar="ROWS", help="predict measured rows (measured_rows.json)")
+    p.add_argument("--gpu-compute", help="with --check: the GPU bench JSON for the GPU rows")
+    p.set_defaults(fn=_plan)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomp",
         description="jaxcomp: compressed gradient communication for data-parallel JAX.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,plan}")
 
     p = sub.add_parser("demo", help="compress a gradient-like tensor with every codec")
     p.add_argument("--size", type=int, default=1 << 20, help="elements (default 2^20)")
@@ -112,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("info", help="versions, kernels and codecs available")
     p.set_defaults(fn=_info)
+
+    _add_plan_parser(sub)
 
     args = parser.parse_args(argv)
     return args.fn(args)

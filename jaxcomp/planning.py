@@ -1,0 +1,1146 @@
+"""Which codec and algorithm to use: a cost model of the compressed all-reduce.
+
+``python -m jaxcomp plan`` and docs/choosing.md are built on this module. For
+a gradient of ``n`` float32 values, a cluster (processes, devices per
+process, the links between and within them) and the codecs' measured speed,
+it predicts the time of every codec x algorithm and ranks them against
+``lax.psum``. A prediction is the sum of
+
+- **the wire**: the alpha-beta model (Hockney 1994; for the collectives,
+  Thakur, Rabenseifner and Gropp 2005): every collective costs its rounds
+  times the link's latency plus its bytes over the bandwidth. The bytes are
+  the library's own accounting (``jc.collectives.operand_nbytes``, the
+  codecs' ``wire_nbytes`` and ``capacity_tiers``, the rules of
+  ``jc.collectives.send_nbytes``), not derived again here. Where several
+  devices of one process (node) reach other nodes over one link, that
+  link carries the node's share of every collective (below, ``_egress``);
+- **the codec's kernels**: the encodes and decodes the algorithm runs
+  (one line per algorithm in ``kernel_calls``, matching the compiled
+  program: tests/test_planning.py counts the custom calls), at the
+  per-element cost measured by ``jaxcomp._bench`` (``python -m jaxcomp
+  bench``) on this machine or read from a stored run;
+- **memory passes** (CPU): XLA's own count of the bytes the program's other
+  operations touch (``cost_analysis()["bytes accessed"]`` of the compiled
+  all-reduce, which leaves the kernels out) at the machine's copy rate, and
+  the page faults of large buffers that the CPU runtime allocates afresh
+  every call (glibc serves allocations above its largest mmap threshold,
+  32 MiB, from fresh zeroed pages), from ``memory_analysis()``; plus, with
+  error feedback, the residual's passes.
+
+Everything runs in sequence: XLA:CPU runs a collective's neighbours before
+or after it, not beside it (docs/collectives.md, "Overlap"), so the parts
+add up. On GPUs that is pessimistic where XLA overlaps compute with
+communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from jaxcomp.codecs.base import Codec, Rate
+from jaxcomp.collectives import _sparse
+from jaxcomp.collectives._core import (
+    choose_algorithm,
+    operand_nbytes,
+    recompression_warning,
+)
+from jaxcomp.collectives._util import chunk_len
+
+F32 = np.dtype(np.float32)
+FLAT_ALGORITHMS = ("allgather", "two_phase", "ring", "sparse", "allreduce")
+BASELINE = "lax.psum"
+# glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX,
+# 4 * 1024 * 1024 * sizeof(long)): buffers above it are mmapped and unmapped
+# on every call, so each call pays the kernel's zeroing of their pages.
+MMAP_THRESHOLD_MAX = 32 << 20
+# Bytes per gradient element that error feedback adds (docs/training.md,
+# "What one step does"): acc = grad + residual reads 8 and writes 4;
+# residual = acc - sent reads 4 and writes 4 (the own payload's decode is a
+# kernel call of its own).
+ERROR_FEEDBACK_BYTES = 20
+# Devices the CPU programs are compiled for to read XLA's memory traffic;
+# beyond it the traffic is extrapolated linearly in the number of devices.
+TRAFFIC_MAX_DEVICES = 8
+# The dense algorithms ranked unless asked for others. The ring is left out:
+# P compressions and 2 (P - 1) hops in sequence, and on XLA:CPU a copy of
+# its accumulator at every hop (its "memory" term, docs/choosing.md); on
+# the test bed it beat two-phase only where gloo's all-to-all is slowest,
+# bf16 at 100 Mbit (docs/benchmarks.md).
+DEFAULT_DENSE = ("allgather", "two_phase")
+
+
+# ---------------------------------------------------------------------------
+# Links and clusters
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link of the alpha-beta model.
+
+    Attributes:
+      bandwidth: nominal bits per second, each direction. For the link
+        between processes (nodes): what one process's network interfaces
+        carry together; within a node: per device.
+      latency: seconds per message round (alpha).
+      goodput: the fraction of ``bandwidth`` a transfer gets (TCP and
+        framing overheads).
+      all_to_all_slowdown: an all-to-all that sends more than
+        ``queue_bytes`` over the link takes this many times its nominal
+        bandwidth time (in place of ``goodput``): the measured cost of the
+        packets lost when ``P - 1`` flows, posted at once, overflow a shaped
+        queue (docs/choosing.md).
+      queue_bytes: the bytes a link's queue holds before it drops.
+    """
+
+    bandwidth: float
+    latency: float = 0.0
+    goodput: float = 1.0
+    all_to_all_slowdown: float = 1.0
+    queue_bytes: float = math.inf
+
+    def seconds(self, nbytes: float, kind: str) -> float:
+        """Bandwidth time of ``nbytes`` sent over this link by one
+        collective of ``kind``."""
+        if kind == "all-to-all" and nbytes > self.queue_bytes:
+            return 8 * nbytes / self.bandwidth * self.all_to_all_slowdown
+        return 8 * nbytes / (self.bandwidth * self.goodput)
+
+
+def testbed_link(rate: str) -> Link:
+    """The project's emulated link (/work/shared/testbed.md): tbf on both
+    ends of every veth, no delay.
+
+    - bandwidth and goodput: ``tc ... tbf rate`` and the measured goodput,
+      946-963 Mbit/s of 1 Gbit and 98.1 of 100 Mbit (testbed.md);
+    - latency 0: tbf emulates no delay (testbed.md); what a tiny collective
+      costs there is the processes' scheduling on shared cores
+      (docs/choosing.md);
+    - the all-to-all: XLA's CPU all-to-all over gloo took 0.387 s for a
+      model of 0.201 s at 1 Gbit and 3.291 s for 2.013 s at 100 Mbit
+      (benchmarks/links.py, 8 MiB per destination; docs/benchmarks.md);
+      the queue holds ``rate * latency + burst`` of tbf (1gbit: 5 ms and
+      256 KiB, 100mbit: 20 ms and 32 KiB; testbed.md): an all-to-all that
+      posts less than that at once loses no packet (tc's counters,
+      docs/choosing.md).
+    """
+    if rate == "1gbit":
+        return Link(1e9, 0.0, 0.955, 0.387 / 0.201, 1e9 / 8 * 0.005 + (256 << 10))
+    if rate == "100mbit":
+        return Link(1e8, 0.0, 0.981, 3.291 / 2.013, 1e8 / 8 * 0.020 + (32 << 10))
+    raise ValueError(f"testbed_link: rate must be '1gbit' or '100mbit', got {rate!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """Where the all-reduce runs.
+
+    Attributes:
+      processes: JAX processes (nodes), joined by ``inter``.
+      devices_per_process: devices of each process, joined by ``intra``.
+      inter: the link between processes; its bandwidth is what one
+        process's interfaces carry together.
+      intra: the link between the devices of one process (None: free).
+    """
+
+    processes: int
+    devices_per_process: int
+    inter: Link
+    intra: Link | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.processes * self.devices_per_process
+
+
+# ---------------------------------------------------------------------------
+# Codec compute: per-element costs measured by jaxcomp._bench
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelRates:
+    """One codec's measured throughput, in GB/s of float32 input, at some
+    sizes (ascending); ``bits`` is the payload bits per element the data
+    needed (below the static size only for variable-rate codecs)."""
+
+    sizes: tuple[int, ...]
+    encode_gbps: tuple[float, ...]
+    decode_gbps: tuple[float, ...]
+    bits: float
+
+    def seconds(self, what: str, m: int) -> float:
+        """Seconds to encode or decode ``m`` values: per-element time
+        interpolated in log size between the measured sizes, held past
+        them."""
+        if m <= 0:
+            return 0.0
+        gbps = self.encode_gbps if what == "encode" else self.decode_gbps
+        per = [4.0 / (g * 1e9) for g in gbps]
+        if m <= self.sizes[0] or len(self.sizes) == 1:
+            return m * per[0]
+        if m >= self.sizes[-1]:
+            return m * per[-1]
+        i = int(np.searchsorted(self.sizes, m)) - 1
+        lo, hi = math.log(self.sizes[i]), math.log(self.sizes[i + 1])
+        t = (math.log(m) - lo) / (hi - lo)
+        return m * (per[i] * (1 - t) + per[i + 1] * t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Compute:
+    """What the codecs' kernels and the memory passes cost on one device.
+
+    Attributes:
+      platform: "cpu" or "gpu". On GPUs the collectives decode with the
+        twins fused into their consumers (docs/collectives.md) and the
+        allocator reuses memory, so the XLA:CPU memory terms do not apply.
+      kernels: ``repr(codec)`` -> its :class:`KernelRates`.
+      memcpy_gbps: GB/s of a buffer copy on that device (each byte read
+        and written).
+      share: how many times slower than measured the compute runs, e.g.
+        4 for four processes on the two cores the figures were measured
+        with, whose kernels each used both (the test bed).
+      source: where the figures come from, for the report.
+    """
+
+    platform: str
+    kernels: Mapping[str, KernelRates]
+    memcpy_gbps: float
+    share: float = 1.0
+    source: str = ""
+
+    def rates(self, codec: Codec) -> KernelRates:
+        try:
+            return self.kernels[repr(codec)]
+        except KeyError:
+            raise ValueError(
+                f"jaxcomp.planning: no compute figures for {codec!r} in {self.source or 'the profile'}; "
+                "measure it (python -m jaxcomp plan --codecs ...) or pass --no-compute"
+            ) from None
+
+    def memory_seconds(self, nbytes: float) -> float:
+        """Seconds for ``nbytes`` of memory traffic (a copy moves two bytes
+        of traffic per byte copied)."""
+        return self.share * nbytes / (2 * self.memcpy_gbps * 1e9)
+
+    def fresh_seconds(self, nbytes: float) -> float:
+        """Seconds to fault in ``nbytes`` of fresh pages: about a pass
+        writing them (docs/benchmarks.md: "a temporary costs about what a
+        pass writing it costs")."""
+        return self.share * nbytes / (self.memcpy_gbps * 1e9)
+
+
+def _pick(rows: Sequence[Mapping], backend: str) -> Mapping | None:
+    return next((r for r in rows if r["backend"] == backend), None)
+
+
+def load_compute(path: str, *, share: float = 1.0) -> Compute:
+    """A :class:`Compute` from a ``jaxcomp._bench`` JSON (``python -m
+    jaxcomp bench --json``, benchmarks/codecs.py: benchmarks/results/codecs.json,
+    benchmarks/results/gpu-h200/codecs-gpu.json).
+
+    Encodes use the kernel's figure (the collectives encode with it);
+    decodes the kernel's on the CPU, and on GPUs the twin's for codecs
+    whose decode is element-wise (what the collectives run there).
+    """
+    with open(path) as f:
+        data = json.load(f)
+    env = data.get("environment", {})
+    gpu = env.get("device_kind", "cpu") != "cpu"
+    by_codec: dict[str, dict[int, list[Mapping]]] = {}
+    for r in data["rows"]:
+        by_codec.setdefault(r["codec"], {}).setdefault(int(r["n"]), []).append(r)
+    elementwise = _elementwise_by_repr()
+    kernels = {}
+    for name, sizes in by_codec.items():
+        enc, dec, bits = [], [], 0.0
+        for n in sorted(sizes):
+            ffi, twin = _pick(sizes[n], "ffi"), _pick(sizes[n], "xla")
+            e = ffi or twin
+            d = twin if gpu and elementwise.get(name, False) and twin else (ffi or twin)
+            enc.append(e["encode_gbps"])
+            dec.append(d["decode_gbps"])
+            bits = e["bits_per_element"]
+        kernels[name] = KernelRates(tuple(sorted(sizes)), tuple(enc), tuple(dec), bits)
+    # The copy rate of the largest size: the memory passes are over tensors
+    # past the caches.
+    largest = max(int(r["n"]) for r in data["rows"])
+    memcpy = float(np.median([r["memcpy_gbps"] for r in data["rows"] if int(r["n"]) == largest]))
+    label = f"{path} ({env.get('device_kind', '?')})"
+    return Compute("gpu" if gpu else "cpu", kernels, memcpy, share, label)
+
+
+def _elementwise_by_repr() -> dict[str, bool]:
+    from jaxcomp import codecs
+
+    return {
+        repr(c): c.elementwise_decode
+        for cls in codecs.registered()
+        for c in cls.examples(coverage=True)
+    }
+
+
+def measure_compute(
+    codecs: Iterable[Codec], n: int = 1 << 22, *, reps: int = 3, share: float = 1.0
+) -> Compute:
+    """A :class:`Compute` measured now on JAX's default device, quickly: one
+    jitted encode and decode per codec at ``n`` values, the median of
+    ``reps`` calls (``jaxcomp._bench``'s input and timer), used for every
+    size; and the copy rate of a 64 MiB buffer, past the caches. For the
+    full benchmark (steady-state loops, several sizes) run ``python -m
+    jaxcomp bench --json FILE`` and pass it with ``--compute FILE``."""
+    import jax
+
+    from jaxcomp import _bench, _ffi
+
+    x = _bench.make_input(n)
+    gpu = x.devices().pop().platform != "cpu"
+    kernels = _ffi.cuda_available() if gpu else _ffi.cpu_available()
+    big = np.ones(1 << 24, np.float32)
+    mc = _bench.device_copy_gbps(jax.device_put(big)) if gpu else _bench.memcpy_gbps(big)
+    out = {}
+    for c in codecs:
+        out[repr(c)] = _measure_codec(c, x, kernels, gpu, reps)
+    where = jax.devices()[0].device_kind
+    label = f"measured now at n=2^{n.bit_length() - 1} ({where})"
+    return Compute("gpu" if gpu else "cpu", out, mc, share, label)
+
+
+def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> KernelRates:
+    """Encode and decode throughput of one codec as the collectives run it:
+    the kernels, and on GPUs the twin's decode for element-wise codecs."""
+    import jax
+
+    from jaxcomp import _bench
+
+    n, key = x.size, jax.random.key(0)
+    enc_backend = "ffi" if kernels and codec.name != "identity" else "xla"
+    dec_backend = "xla" if gpu and codec.elementwise_decode else enc_backend
+    enc = jax.jit(lambda x, k: codec.encode(x, k, backend=enc_backend))
+    dec = jax.jit(lambda p: codec.decode(p, backend=dec_backend))
+    payload = jax.block_until_ready(enc(x, key))
+    te = _bench._median_seconds(functools.partial(enc, x, key), reps, 0.02)
+    td = _bench._median_seconds(functools.partial(dec, payload), reps, 0.02)
+    bits = 8 * int(payload.used_nbytes) / n
+    return KernelRates((n,), (4 * n / te / 1e9,), (4 * n / td / 1e9,), bits)
+
+
+# ---------------------------------------------------------------------------
+# The library's bytes, per collective
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of an algorithm: its kind (as in
+    ``jc.collectives.operand_nbytes``) and this device's operand bytes."""
+
+    kind: str
+    operand: float
+
+
+def _tier(codec: Codec, m: int, bits: float | None) -> int:
+    """The operand bytes of a variable-rate payload of ``m`` values in the
+    capacity tier it travels in (``jaxcomp.collectives._util.transfer``):
+    the smallest tier that holds the stream the data needs (the largest
+    where that is unknown), plus the payload's other arrays (scale, length),
+    which do not change with the capacity."""
+    tiers = codec.capacity_tiers(m)
+    fixed = codec.wire_nbytes((m,), F32) - codec.stream_capacity(m)
+    if bits is None:
+        return fixed + tiers[-1]
+    need = bits * m / 8
+    return fixed + next((t for t in tiers if t >= need), tiers[-1])
+
+
+def collectives(
+    codec: Codec | None, algorithm: str, n: int, devices: int, bits: float | None = None
+) -> list[Collective]:
+    """The collectives of one all-reduce of ``n`` float32 values over one
+    axis of ``devices``, in program order.
+
+    Fixed-rate and sparse codecs: ``jc.collectives.operand_nbytes``.
+    Variable-rate codecs move each payload in a capacity tier agreed by a
+    ``pmax`` (a 4-byte all-reduce) first; ``bits`` is what the data needs
+    (None: the largest tier, as ``operand_nbytes`` counts it). The ring's
+    collective-permute operand is cut into its ``2 (P - 1)`` hops.
+    ``codec`` None: ``lax.psum`` of the float32 tensor.
+    """
+    p = devices
+    if p == 1:
+        return []
+    if codec is None:
+        return [Collective("all-reduce", 4 * n)]
+    if codec.rate is Rate.VARIABLE:
+        return _variable_collectives(codec, algorithm, n, p, bits)
+    ops = operand_nbytes(codec, (n,), F32, p, algorithm)
+    out = []
+    if algorithm == "sparse" and not _sparse.static_fits(codec, n, F32, p):
+        out.append(Collective("all-reduce", 4))  # the pmax choosing the pair tier
+    if algorithm == "ring":
+        hops = 2 * (p - 1)
+        return [Collective("collective-permute", ops["collective-permute"] / hops)] * hops
+    out += [Collective(kind, b) for kind, b in ops.items()]
+    return out
+
+
+def _variable_collectives(codec, algorithm, n, p, bits) -> list[Collective]:
+    pmax = Collective("all-reduce", 4)
+    if algorithm == "two_phase":
+        c = chunk_len(codec, n, p)
+        t = _tier(codec, c, bits)
+        return [pmax, Collective("all-to-all", p * t), pmax, Collective("all-gather", t)]
+    if algorithm == "allgather":
+        return [pmax, Collective("all-gather", _tier(codec, n, bits))]
+    if algorithm == "ring":
+        t = _tier(codec, -(-n // p), bits)
+        return [pmax, Collective("collective-permute", t)] * (2 * (p - 1))
+    raise ValueError(f"jaxcomp.planning: {algorithm!r} does not take {codec!r}")
+
+
+def device_send_bytes(c: Collective, devices: int) -> float:
+    """Bytes one device sends in collective ``c`` (the rules of
+    ``jc.collectives.send_nbytes``)."""
+    p = devices
+    if c.kind == "all-gather":
+        return (p - 1) * c.operand
+    if c.kind in ("all-to-all", "reduce-scatter"):
+        return (p - 1) / p * c.operand
+    if c.kind == "all-reduce":
+        return 2.0 * (p - 1) / p * c.operand
+    return c.operand
+
+
+def rounds(c: Collective, devices: int) -> int:
+    """Message rounds of collective ``c`` (Thakur, Rabenseifner and Gropp
+    2005: ring all-gather, ring reduce-scatter and pairwise-exchange
+    all-to-all P - 1, ring all-reduce 2 (P - 1); one ppermute hop is one)."""
+    p = devices
+    if c.kind == "all-reduce":
+        return 2 * (p - 1)
+    if c.kind in ("all-gather", "all-to-all", "reduce-scatter"):
+        return p - 1
+    return 1
+
+
+# ---------------------------------------------------------------------------
+# Time of a collective on a cluster
+# ---------------------------------------------------------------------------
+def _egress(c: Collective, nodes: int, local: int) -> float:
+    """Bytes one process (node) sends to the others in collective ``c`` over
+    a flat axis of ``nodes * local`` devices in node-major order.
+
+    Ring all-reduce and all-gather: the ring crosses each node boundary once
+    per channel, and NCCL or gloo split the data over the channels, so a
+    node sends what one device of the ring sends (Patarasuk and Yuan 2009:
+    the bandwidth-optimal ring). All-to-all: each of the node's devices
+    sends its pieces for every device of the other nodes. A ring hop
+    (``ppermute`` to the next device): one device per node sends across.
+    """
+    p = nodes * local
+    if nodes == 1:
+        return 0.0
+    if c.kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        return device_send_bytes(c, p)
+    if c.kind == "all-to-all":
+        return local * (p - local) / p * c.operand
+    return c.operand
+
+
+def _collective_time(
+    c: Collective, cluster: Cluster, nodes: int, local: int, groups: int = 1
+) -> tuple[float, float]:
+    """(wire seconds, latency seconds) of ``c`` over ``nodes * local``
+    devices; ``groups`` such collectives run at once, one per device of a
+    node (the hierarchical algorithm's slow stage), sharing its link."""
+    p = nodes * local
+    wire, alpha = 0.0, 0.0
+    if nodes > 1:
+        wire = cluster.inter.seconds(groups * _egress(c, nodes, local), c.kind)
+        alpha = cluster.inter.latency
+    if local > 1 and cluster.intra is not None:
+        wire = max(wire, cluster.intra.seconds(device_send_bytes(c, p), c.kind))
+        alpha = max(alpha, cluster.intra.latency)
+    return wire, rounds(c, p) * alpha
+
+
+def hierarchical_collectives(
+    codec: Codec, n: int, nodes: int, local: int, bits: float | None = None
+) -> tuple[list[Collective], str, list[Collective]]:
+    """The hierarchical all-reduce over ``(nodes, local)`` devices
+    (docs/collectives.md): ``(fast, slow algorithm, slow)``, the float32
+    reduce-scatter and all-gather over the ``local`` devices of a node, and
+    the collectives of the slow stage, the algorithm ``auto`` picks for a
+    ``ceil(n / local)`` chunk over ``nodes`` devices."""
+    m = -(-n // local)
+    slow_alg = choose_algorithm(codec, m, nodes)
+    fast = [Collective("reduce-scatter", 4 * local * m), Collective("all-gather", 4 * m)]
+    return fast, slow_alg, collectives(codec, slow_alg, m, nodes, bits)
+
+
+# ---------------------------------------------------------------------------
+# Compute: kernel calls and memory passes
+# ---------------------------------------------------------------------------
+def kernel_calls(
+    codec: Codec, algorithm: str, n: int, devices: int
+) -> list[tuple[str, int, Codec]]:
+    """The encode and decode kernel calls of one device, ``(what, values,
+    codec)``, as ``jc.psum`` runs them for its value (docs/collectives.md,
+    "Algorithms"; the compiled program's custom calls, tested).
+
+    - allgather: encode the tensor; decode all P payloads (QSGD's
+      decode-and-sum kernel, or decoded rows then summed);
+    - two_phase: encode the tensor (its chunks); decode the P received
+      chunks; encode the reduced chunk; decode the P gathered chunks;
+    - ring: P encodes of a chunk (P - 1 scatter-reduce hops and the
+      owner's) and 2P - 1 decodes (every received hop, and the owner's own);
+    - sparse: the top-k selection (its pairs are summed by XLA, below), and
+      for the split algorithm the dense stage's ``value_codec`` if any;
+    - allreduce and one device: encode and decode once.
+    Identity has no kernel.
+    """
+    p = devices
+    if codec.name == "identity":
+        return []
+    if p == 1 or algorithm == "allreduce":
+        return [("encode", n, codec), ("decode", n, codec)]
+    if algorithm == "allgather":
+        return [("encode", n, codec), ("decode", p * n, codec)]
+    if algorithm == "two_phase":
+        c = chunk_len(codec, n, p)
+        return [
+            ("encode", p * c, codec),  # the tensor, cut into P chunks
+            ("decode", p * c, codec),  # the P received pieces of my chunk
+            ("encode", c, codec),  # my reduced chunk
+            ("decode", p * c, codec),  # the P gathered chunks
+        ]
+    if algorithm == "ring":
+        c = -(-n // p)
+        return [("encode", c, codec)] * p + [("decode", c, codec)] * (2 * p - 1)
+    if algorithm == "sparse":
+        vc = codec.value_codec
+        if vc is None or _sparse.static_fits(codec, n, F32, p):
+            return [("encode", n, codec)]
+        c = -(-n // p)
+        return [
+            ("encode", n, codec),
+            ("encode", c, vc),
+            ("decode", p * c, vc),
+        ]
+    raise ValueError(f"jaxcomp.planning: unknown algorithm {algorithm!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """XLA:CPU's accounting of a compiled all-reduce, per element of the
+    tensor: bytes its non-kernel operations touch, and the bytes of its
+    temporaries and of its output."""
+
+    accessed: float
+    temp: float
+    output: float
+    kernel_calls: int = 0  # jaxcomp custom calls in the program (every branch)
+
+
+@functools.cache
+def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...], n: int) -> Traffic:
+    """Compiles ``jc.psum`` (``lax.psum`` for ``codec`` None) of ``n`` float32
+    per device on a CPU mesh of ``shape`` (one axis, or ``(slow, fast)``
+    for the hierarchical algorithm) and reads XLA's cost and memory
+    analyses. Needs ``prod(shape)`` CPU devices (``jax_num_cpu_devices``)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from jaxcomp.collectives import psum
+
+    count = math.prod(shape)
+    cpus = jax.devices("cpu")
+    if len(cpus) < count:
+        raise RuntimeError(
+            f"jaxcomp.planning: {count} CPU devices needed to compile the all-reduce, "
+            f"{len(cpus)} present (set jax_num_cpu_devices before JAX starts)"
+        )
+    names = ("slow", "fast") if len(shape) == 2 else ("data",)
+    axis = names if len(shape) == 2 else names[0]
+    mesh = jax.sharding.Mesh(np.array(cpus[:count]).reshape(shape), names)
+
+    def f(x, k):
+        if codec is None:
+            return jax.lax.psum(x, axis)
+        alg = "auto" if algorithm == "hierarchical" else algorithm
+        return psum(x[0], axis, codec, key=k, algorithm=alg).value[None]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)))
+    x = jax.ShapeDtypeStruct((count, n), np.float32)
+    compiled = g.lower(x, jax.random.key(0)).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    mem = compiled.memory_analysis()
+    calls = len(re.findall(r'custom_call_target="jaxcomp_', compiled.as_text()))
+    return Traffic(
+        cost.get("bytes accessed", 0.0) / n,
+        mem.temp_size_in_bytes / n,
+        mem.output_size_in_bytes / n,
+        calls,
+    )
+
+
+def traffic(
+    codec: Codec | None, algorithm: str, shape: tuple[int, ...], n: int = 1 << 16
+) -> Traffic:
+    """:func:`program_traffic` for any number of devices: compiled at up
+    to :data:`TRAFFIC_MAX_DEVICES` devices (fewer if fewer CPU devices are
+    present; a hierarchical mesh at up to half of them x 2), and past that
+    extrapolated linearly in the devices from two sizes where it grows
+    (the allgather's decoded rows and the ring's copies grow with P), held
+    where it does not."""
+    import jax
+
+    most = min(len(jax.devices("cpu")), TRAFFIC_MAX_DEVICES)
+    if most < 2:
+        raise RuntimeError(
+            "jaxcomp.planning: compiling the all-reduce needs 2 or more CPU devices "
+            "(jax.config.update('jax_num_cpu_devices', 8) before JAX starts), or --no-compute"
+        )
+    if len(shape) == 2:
+        return program_traffic(codec, algorithm, (min(shape[0], most // 2), min(shape[1], 2)), n)
+    (p,) = shape
+    if p <= most:
+        return program_traffic(codec, algorithm, (p,), n)
+    a = program_traffic(codec, algorithm, (most // 2,), n)
+    b = program_traffic(codec, algorithm, (most,), n)
+    t = (p - most) / (most - most // 2)
+    grow = lambda u, v: v + max(v - u, 0.0) * t  # noqa: E731
+    return Traffic(grow(a.accessed, b.accessed), grow(a.temp, b.temp), b.output, b.kernel_calls)
+
+
+def _memory_seconds(compute: Compute, t: Traffic, n: int) -> float:
+    """The XLA:CPU memory terms of one all-reduce of ``n`` values: the bytes
+    its operations touch, and the fresh pages of its buffers above glibc's
+    mmap threshold (the temporaries are one allocation on XLA:CPU)."""
+    fresh = sum(b for b in (t.temp * n, t.output * n) if b > MMAP_THRESHOLD_MAX)
+    return compute.memory_seconds(t.accessed * n) + compute.fresh_seconds(fresh)
+
+
+# ---------------------------------------------------------------------------
+# One prediction
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The predicted time of one all-reduce, in parts (seconds).
+
+    Attributes:
+      codec: the codec (None: ``lax.psum`` of float32).
+      algorithm: the algorithm (its slow stage in brackets for
+        hierarchical).
+      wire: bandwidth time of every collective.
+      latency: rounds times the links' latency.
+      kernels: the codec's encodes and decodes.
+      memory: the other operations' memory traffic and fresh pages (CPU),
+        and error feedback's passes.
+      inter_bytes: bytes one process sends to the others.
+      device_bytes: bytes one device sends (``jc.collectives.send_nbytes``).
+      bits: payload bits per element.
+    """
+
+    codec: Codec | None
+    algorithm: str
+    wire: float
+    latency: float
+    kernels: float
+    memory: float
+    inter_bytes: float
+    device_bytes: float
+    bits: float
+
+    @property
+    def seconds(self) -> float:
+        return self.wire + self.latency + self.kernels + self.memory
+
+    @property
+    def name(self) -> str:
+        return "float32" if self.codec is None else self.codec.spec
+
+
+def _bits(codec: Codec, compute: Compute | None) -> float | None:
+    """Payload bits per element the data needs, for variable-rate codecs
+    (measured with the compute figures; None: the largest tier)."""
+    if codec.rate is not Rate.VARIABLE or compute is None:
+        return None
+    rates = compute.kernels.get(repr(codec))
+    return None if rates is None else rates.bits
+
+
+def _compute_seconds(
+    codec: Codec | None,
+    algorithm: str,
+    calls: list[tuple[str, int, Codec]],
+    n: int,
+    shape: tuple[int, ...],
+    compute: Compute | None,
+) -> tuple[float, float]:
+    """(kernel seconds, memory seconds) of one device running ``calls``
+    and the rest of the compiled all-reduce of ``n`` values over a mesh of
+    ``shape``."""
+    if compute is None:
+        return 0.0, 0.0
+    kern = compute.share * sum(compute.rates(c).seconds(what, m) for what, m, c in calls)
+    mem = 0.0
+    if compute.platform == "cpu" and math.prod(shape) > 1:
+        mem = _memory_seconds(compute, traffic(codec, algorithm, shape), n)
+    return kern, mem
+
+
+def predict(
+    codec: Codec | None,
+    algorithm: str,
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    error_feedback: bool = False,
+) -> Estimate:
+    """The predicted time of one all-reduce of ``n`` float32 values.
+
+    Args:
+      codec: the codec, or None for ``lax.psum`` (``algorithm`` ignored).
+      algorithm: one of ``FLAT_ALGORITHMS`` over all the cluster's devices,
+        or "hierarchical" over (processes, devices per process).
+      n: values per device.
+      cluster: the devices and links.
+      compute: the codecs' measured speed (None: the wire alone).
+      error_feedback: add what ``compress_gradients``'s error feedback
+        costs (the own payload's decode and the residual's passes).
+    Returns:
+      An :class:`Estimate`.
+    """
+    if codec is None:
+        return _predict_flat(None, BASELINE, n, cluster, compute, False)
+    if algorithm == "hierarchical":
+        return _predict_hierarchical(codec, n, cluster, compute, error_feedback)
+    return _predict_flat(codec, algorithm, n, cluster, compute, error_feedback)
+
+
+def _wire(colls, cluster, nodes, local, groups=1) -> tuple[float, float]:
+    parts = [_collective_time(c, cluster, nodes, local, groups) for c in colls]
+    return sum(w for w, _ in parts), sum(a for _, a in parts)
+
+
+def _error_feedback(compute, codec, n, own):
+    """(kernel, memory) seconds of error feedback: the own payload's decode
+    of ``own`` values and the residual's passes over ``n``."""
+    if compute is None:
+        return 0.0, 0.0
+    kern = (
+        compute.share * compute.rates(codec).seconds("decode", own)
+        if codec.name != "identity"
+        else 0.0
+    )
+    return kern, compute.memory_seconds(ERROR_FEEDBACK_BYTES * n)
+
+
+def _predict_flat(codec, algorithm, n, cluster, compute, error_feedback) -> Estimate:
+    p, local = cluster.devices, cluster.devices_per_process
+    colls = collectives(codec, algorithm, n, p, None if codec is None else _bits(codec, compute))
+    wire, latency = _wire(colls, cluster, cluster.processes, local)
+    calls = [] if codec is None else kernel_calls(codec, algorithm, n, p)
+    kern, mem = _compute_seconds(codec, algorithm if codec else BASELINE, calls, n, (p,), compute)
+    if error_feedback and codec is not None:
+        # On one device the decoded payload is the value itself.
+        k2, m2 = _error_feedback(compute, codec, n, n if p > 1 else 0)
+        kern, mem = kern + k2, mem + m2
+    inter = sum(_egress(c, cluster.processes, local) for c in colls)
+    dev = sum(device_send_bytes(c, p) for c in colls)
+    bits = 32.0 if codec is None else 8 * _payload_bytes(codec, n, compute) / n
+    name = BASELINE if codec is None else algorithm
+    return Estimate(codec, name, wire, latency, kern, mem, inter, dev, bits)
+
+
+def _payload_bytes(codec: Codec, n: int, compute: Compute | None) -> float:
+    bits = _bits(codec, compute)
+    return codec.wire_nbytes((n,), F32) if bits is None else _tier(codec, n, bits)
+
+
+def _predict_hierarchical(codec, n, cluster, compute, error_feedback) -> Estimate:
+    """``jc.psum`` over ``(processes, devices_per_process)``: reduce-scatter
+    over the fast axis, the slow stage (by the ``auto`` rule) on one
+    chunk, every device of a node running its own at once, all-gather over
+    the fast axis (docs/collectives.md)."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    m = -(-n // local)
+    fast, slow_alg, slow = hierarchical_collectives(codec, n, nodes, local, _bits(codec, compute))
+    w1, a1 = _wire(fast, cluster, 1, local)
+    w2, a2 = _wire(slow, cluster, nodes, 1, groups=local)
+    calls = kernel_calls(codec, slow_alg, m, nodes)
+    kern, mem = _compute_seconds(codec, "hierarchical", calls, n, (nodes, local), compute)
+    if error_feedback:
+        k2, m2 = _error_feedback(compute, codec, n, m)
+        kern, mem = kern + k2, mem + m2
+    inter = local * sum(_egress(c, nodes, 1) for c in slow)
+    dev = sum(device_send_bytes(c, local) for c in fast)
+    dev += sum(device_send_bytes(c, nodes) for c in slow)
+    bits = 8 * _payload_bytes(codec, m, compute) / m
+    return Estimate(
+        codec, f"hierarchical({slow_alg})", w1 + w2, a1 + a2, kern, mem, inter, dev, bits
+    )
+
+
+# ---------------------------------------------------------------------------
+# Ranking
+# ---------------------------------------------------------------------------
+def default_codecs() -> list[Codec]:
+    """The recommended configuration of every registered codec (the first of
+    its ``examples()``), Identity aside."""
+    from jaxcomp import codecs
+
+    return [cls.examples()[0] for cls in codecs.registered() if cls is not codecs.Identity]
+
+
+def candidate_algorithms(
+    codec: Codec, cluster: Cluster, only: Sequence[str] | None = None
+) -> list[str]:
+    """The algorithms ``codec`` can run on ``cluster``: linear codecs
+    ``allreduce``, sparse ones ``sparse``, the others those of
+    :data:`DEFAULT_DENSE` (``only`` may add the ring) unless a second
+    compression is unsafe for them (``jc.collectives.recompression_warning``:
+    TernGrad); and ``hierarchical`` where several processes each have
+    several devices. ``only``: keep just these."""
+    if codec.rate is Rate.LINEAR:
+        algs = ["allreduce"]
+    elif codec.rate is Rate.SPARSE:
+        algs = ["sparse"]
+    else:
+        dense = DEFAULT_DENSE if only is None else ("allgather", "two_phase", "ring")
+        algs = [a for a in dense if recompression_warning(codec, a) is None]
+    if cluster.processes > 1 and cluster.devices_per_process > 1:
+        algs.append("hierarchical")
+    return [a for a in algs if only is None or a in only]
+
+
+def plan(
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    codecs: Sequence[Codec] | None = None,
+    algorithms: Sequence[str] | None = None,
+    error_feedback: bool = True,
+    bucket: int | None = None,
+    min_bits: float = 0.0,
+) -> list[Estimate]:
+    """Every codec x algorithm, predicted and ranked, fastest first, with
+    ``lax.psum``'s row among them.
+
+    Args:
+      n: gradient values per device (the model's parameters).
+      cluster: the devices and links.
+      compute: the codecs' speed (None: the wire alone).
+      codecs: the codecs to rank (default: :func:`default_codecs`).
+      algorithms: only these algorithms (default: every one that applies).
+      error_feedback: count error feedback's own cost (``compress_gradients``
+        keeps it on by default; the ``lax.psum`` row has none).
+      bucket: values per all-reduce; a larger gradient is sent as
+        ``ceil(n / bucket)`` equal buckets, one after the other
+        (``compress_gradients`` makes every leaf above ``fusion_bytes`` a
+        bucket of its own). None: one all-reduce of all ``n``.
+      min_bits: leave out codecs of fewer payload bits per element (their
+        static size; 8 keeps the codecs that train with Adam as float32
+        does, docs/training.md).
+    Returns:
+      Estimates sorted by predicted seconds (ties by name, so the order
+      is deterministic).
+    """
+    k = 1 if not bucket or n <= bucket else -(-n // bucket)
+    m = -(-n // k)
+    rows = [predict(None, BASELINE, m, cluster, compute)]
+    for codec in default_codecs() if codecs is None else codecs:
+        if codec.bits_per_element() < min_bits:
+            continue
+        for alg in candidate_algorithms(codec, cluster, algorithms):
+            rows.append(predict(codec, alg, m, cluster, compute, error_feedback=error_feedback))
+    rows = [times(e, k) for e in rows]
+    return sorted(rows, key=lambda e: (e.seconds, e.name, e.algorithm))
+
+
+def times(e: Estimate, k: int) -> Estimate:
+    """``k`` all-reduces like ``e``, one after the other."""
+    if k == 1:
+        return e
+    return dataclasses.replace(
+        e,
+        wire=k * e.wire,
+        latency=k * e.latency,
+        kernels=k * e.kernels,
+        memory=k * e.memory,
+        inter_bytes=k * e.inter_bytes,
+        device_bytes=k * e.device_bytes,
+    )
+
+
+# ---------------------------------------------------------------------------
+# A whole step's all-reduces
+# ---------------------------------------------------------------------------
+def step_buckets(codec: Codec | None, shapes: Sequence[tuple[int, ...]], **plan_options):
+    """The all-reduces of one ``compress_gradients`` step for float32
+    leaves of ``shapes``: ``[(codec or None, values)]``, from the
+    library's own fusion plan (``jaxcomp.optax._plan.make_plan``; options
+    as ``compress_gradients``' ``fusion_bytes`` and ``min_compress_size``,
+    their defaults if left out). ``codec`` None: one uncompressed bucket
+    of every leaf (what ``lax.pmean`` of the gradients moves)."""
+    import jax
+
+    from jaxcomp.optax._plan import make_plan
+    from jaxcomp.optax._transform import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
+
+    if codec is None:
+        return [(None, sum(math.prod(s) for s in shapes))]
+    tree = [jax.ShapeDtypeStruct(tuple(s), np.float32) for s in shapes]
+    options = {
+        "fusion_bytes": DEFAULT_FUSION_BYTES,
+        "min_compress_size": DEFAULT_MIN_COMPRESS_SIZE,
+        **plan_options,
+    }
+    p = make_plan(codec, tree, **options)
+    return [(b.codec, b.size) for b in p.groups]
+
+
+def predict_step(
+    codec: Codec | None,
+    shapes: Sequence[tuple[int, ...]],
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    error_feedback: bool = True,
+    **plan_options,
+) -> list[Estimate]:
+    """The estimates of every all-reduce of one training step (the
+    compressed buckets by ``algorithm="auto"``, then the uncompressed
+    leaves' ``lax.pmean``); sum their ``seconds`` for the step's
+    communication and codec time."""
+    out = []
+    for c, m in step_buckets(codec, shapes, **plan_options):
+        alg = BASELINE if c is None else choose_algorithm(c, m, cluster.devices)
+        if c is not None and cluster.processes > 1 and cluster.devices_per_process > 1:
+            alg = "hierarchical"
+        out.append(predict(c, alg, m, cluster, compute, error_feedback=error_feedback))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Against the measured rows (benchmarks/results/measured_rows.json)
+# ---------------------------------------------------------------------------
+# The test bed runs four processes on two cores, and the CPU figures were
+# measured by one process whose kernels used both: every encode and decode
+# there runs at about a quarter of the measured speed (docs/benchmarks.md:
+# "every encode and decode runs at about half a core's speed").
+TESTBED_SHARE = 4.0
+# What the model claims: one all-reduce, unpipelined (PIPELINE_MAX_DEPTH = 1,
+# the default), as `plan` ranks it.
+CLAIM = 0.30
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One measured row beside its prediction."""
+
+    table: str
+    label: str
+    measured: float
+    predicted: float
+    claimed: bool  # within what the model predicts (an all-reduce as `plan` ranks it)
+    why: str = ""  # for rows it does not claim
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1
+
+
+def _codec(spec: str) -> Codec | None:
+    from jaxcomp import codecs
+
+    return None if spec == "float32" else codecs.get(spec)
+
+
+def _check_collectives(table: Mapping, compute: Compute) -> list[Check]:
+    n = table["values_per_process"]
+    out = []
+    for r in table["rows"]:
+        cluster = Cluster(r["procs"], 1, testbed_link(r["link"]))
+        e = predict(_codec(r["codec"]), r["algorithm"], n, cluster, compute)
+        depth = r.get("pipeline_depth", 1)
+        alg = r["algorithm"] + (f", {depth} segments" if depth > 1 else "")
+        label = f"{r['link']} | {r['codec']} | {alg} | {r['run']}"
+        why = "" if depth == 1 else "pipelined: not modelled"
+        out.append(Check("collectives", label, r["seconds"], e.seconds, depth == 1, why))
+    return out
+
+
+def _sgd_seconds(compute: Compute, shapes) -> float:
+    """The sgd update after the all-reduce: read the parameters and the
+    mean gradient, write the parameters (12 bytes per element)."""
+    return compute.memory_seconds(12 * sum(math.prod(s) for s in shapes))
+
+
+def _check_optimizer_step(table: Mapping, compute: Compute) -> list[Check]:
+    shapes = [tuple(s) for s in table["leaves"]]
+    out = []
+    for r in table["rows"]:
+        cluster = Cluster(r["procs"], 1, testbed_link(r["link"]))
+        codec = _codec(r["codec"])
+        if r["update"] == "bare jc.pmean + sgd":
+            parts = []
+            for s in shapes:
+                m = math.prod(s)
+                alg = r["algorithm"]
+                alg = choose_algorithm(codec, m, cluster.devices) if alg == "auto" else alg
+                parts.append(predict(codec, alg, m, cluster, compute))
+        else:
+            ef = r["update"].startswith("compress_gradients")
+            parts = predict_step(codec, shapes, cluster, compute, error_feedback=ef)
+        t = sum(e.seconds for e in parts) + _sgd_seconds(compute, shapes)
+        why = "4 all-reduces + update in one program"
+        label = f"{r['link']} | {r['codec']}@{r['algorithm']} | {r['update']}"
+        out.append(Check("optimizer step", label, r["seconds"], t, False, why))
+    return out
+
+
+def _check_end_to_end(table: Mapping, compute: Compute) -> list[Check]:
+    shapes = [tuple(s) for s in table["leaves"]]
+    out = []
+    for r in table["rows"]:
+        label = f"{r['link']} | {r['row']} | {r['run']}"
+        if r["codec"].startswith("powersgd"):
+            continue  # a transformation of its own, not a codec: not ranked
+        codec = _codec(r["codec"])
+        cluster = Cluster(table["procs"], 1, testbed_link(r["link"]))
+        parts = predict_step(codec, shapes, cluster, compute, error_feedback=codec is not None)
+        t = r["compute_s"] + sum(e.seconds for e in parts)
+        why = "a whole training step"
+        out.append(Check("end to end", label, r["step_s"], t, False, why))
+    return out
+
+
+def _check_gpu(table: Mapping, compute: Compute) -> list[Check]:
+    shapes = [tuple(s) for s in table["leaves"]]
+    cluster = Cluster(table["devices"], 1, Link(math.inf))
+    out = []
+    for r in table["rows"]:
+        parts = predict_step(_codec(r["codec"]), shapes, cluster, compute)
+        t = 1e3 * sum(e.seconds for e in parts)
+        why = "one-GPU training step"
+        out.append(
+            Check("gpu train step", f"{table['device']} | {r['row']}", r["extra_ms"], t, False, why)
+        )
+    return out
+
+
+def check(rows: Mapping, cpu: Compute, gpu: Compute | None = None) -> list[Check]:
+    """Every row of ``rows`` (the layout of
+    benchmarks/results/measured_rows.json) beside its prediction: the
+    emulated-link rows with the CPU figures ``cpu`` at the test bed's share
+    (:data:`TESTBED_SHARE`), the GPU step with ``gpu``."""
+    cpu = dataclasses.replace(cpu, share=TESTBED_SHARE)
+    out = _check_collectives(rows["collectives"], cpu)
+    out += _check_optimizer_step(rows["optimizer_step"], cpu)
+    out += _check_end_to_end(rows["end_to_end"], cpu)
+    if gpu is not None:
+        out += _check_gpu(rows["gpu_train_step"], gpu)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Units and tables, for the command line
+# ---------------------------------------------------------------------------
+_RATE_UNITS = {
+    "bit": 1.0,
+    "kbit": 1e3,
+    "mbit": 1e6,
+    "gbit": 1e9,
+    "tbit": 1e12,
+    "b/s": 8.0,
+    "kb/s": 8e3,
+    "mb/s": 8e6,
+    "gb/s": 8e9,
+    "tb/s": 8e12,
+}
+_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_COUNT_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def _parse(text: str, units: Mapping[str, float], what: str, default: str) -> float:
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*([a-zµ/]*)\s*", text.lower())
+    if not m or (m.group(2) or default) not in units:
+        raise ValueError(
+            f"jaxcomp.planning: cannot read {text!r} as a {what} "
+            f"(a number with one of the units {', '.join(u for u in units if u)})"
+        )
+    return float(m.group(1)) * units[m.group(2) or default]
+
+
+def parse_rate(text: str) -> float:
+    """Bits per second from ``"10gbit"``, ``"400Gbit"``, ``"900GB/s"``
+    (bytes) or a plain number of bits per second."""
+    return _parse(text, _RATE_UNITS, "bandwidth", "bit")
+
+
+def parse_seconds(text: str) -> float:
+    """Seconds from ``"5us"``, ``"1.5ms"``, ``"0.002"``."""
+    return _parse(text, _TIME_UNITS, "time", "s")
+
+
+def parse_count(text: str) -> int:
+    """A count from ``"100M"``, ``"1B"``, ``"4.25e6"``."""
+    return round(_parse(text, _COUNT_UNITS, "count", ""))
+
+
+def _fmt_s(t: float) -> str:
+    if t == 0:
+        return "0"
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
+
+def table(rows: Sequence[Estimate], top: int | None = None) -> str:
+    """A markdown table of ranked estimates, with the speedup over the
+    ``lax.psum`` row; ``top``: the best rows only, and ``lax.psum``'s."""
+    base = next(e.seconds for e in rows if e.codec is None)
+    lines = [
+        "| rank | codec | algorithm | bits/elt | GB out per process | wire | latency "
+        "| codec kernels | memory | total | vs lax.psum |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, e in enumerate(rows, 1):
+        if top is not None and i > top and e.codec is not None:
+            continue
+        lines.append(
+            f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {e.inter_bytes / 1e9:.3f} "
+            f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
+            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+# The columns of each table's labels (``Check.label`` joins them with " | ").
+_LABEL_COLUMNS = {
+    "collectives": "link | codec | algorithm | run",
+    "optimizer step": "link | codec@algorithm | update",
+    "end to end": "link | row | run",
+    "gpu train step": "device | row",
+}
+
+
+def check_table(checks: Sequence[Check], unit: str = "s") -> str:
+    """A markdown table of one table's measured rows beside their
+    predictions."""
+    cols = _LABEL_COLUMNS[checks[0].table]
+    lines = [
+        f"| {cols} | measured {unit} | predicted {unit} | error | claimed |",
+        "|" + "---|" * (cols.count("|") + 5),
+    ]
+    for c in checks:
+        claimed = "yes" if c.claimed else f"no: {c.why}"
+        lines.append(
+            f"| {c.label} | {c.measured:.3f} | {c.predicted:.3f} | {100 * c.error:+.0f}% | {claimed} |"
+        )
+    return "\n".join(lines)
