@@ -104,3 +104,14 @@ def run_processes(commands, envs, *, timeout: float, cwd=None) -> list[str]:
     for i, p in enumerate(procs):
         assert p.returncode == 0, f"process {i} failed:\n{outputs[i][-4000:]}"
     return outputs
+
+
+def auto_mesh(shape=(8,), names=("data",)):
+    """A mesh of the first prod(shape) devices, every axis Auto."""
+    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+
+
+def mlp_loss(params, batch):
+    """The small regression MLP the data_parallel tests train."""
+    x, y = batch
+    return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)

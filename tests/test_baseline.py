@@ -14,20 +14,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import auto_mesh, mlp_loss
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
-
-
-def _mesh(shape=(8,), names=("data",)):
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def _loss(params, batch):
-    x, y = batch
-    return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)
 
 
 def _problem(dtype=jnp.float32):
@@ -45,7 +37,7 @@ def _hand_written_pmean_step(tx_after, mesh, axes):
     """A shard_map step written by hand: value_and_grad, lax.pmean, tx_after."""
 
     def local(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(_loss)(params, batch)
+        loss, grads = jax.value_and_grad(mlp_loss)(params, batch)
         grads = jax.lax.pmean(grads, axes)
         updates, opt_state = tx_after.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axes)
@@ -74,9 +66,11 @@ def _replicas_equal(tree):
     "shape, axes", [((8,), "data"), ((2, 4), ("slow", "fast"))], ids=["flat", "hierarchical"]
 )
 def test_baseline_is_the_hand_written_pmean_step_bit_for_bit(shape, axes):
-    mesh = _mesh(shape, (axes,) if isinstance(axes, str) else axes)
+    mesh = auto_mesh(shape, (axes,) if isinstance(axes, str) else axes)
     params0, batch = _problem()
-    step = jc.data_parallel(_loss, optax.chain(jc.optax.pmean(axes), optax.adam(1e-2)), mesh, axes)
+    step = jc.data_parallel(
+        mlp_loss, optax.chain(jc.optax.pmean(axes), optax.adam(1e-2)), mesh, axes
+    )
     params, opt_state = step.init(params0)
     batch = step.shard_batch(batch)
     hand = _hand_written_pmean_step(optax.adam(1e-2), mesh, axes)
@@ -84,7 +78,7 @@ def test_baseline_is_the_hand_written_pmean_step_bit_for_bit(shape, axes):
     for _ in range(5):
         params, opt_state, loss = step(params, opt_state, batch)
         p2, s2, loss2 = hand(p2, s2, batch)
-    assert float(loss) < float(_loss(params0, batch))  # it trains
+    assert float(loss) < float(mlp_loss(params0, batch))  # it trains
     np.testing.assert_array_equal(np.asarray(loss), np.asarray(loss2))
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(p2), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -96,14 +90,14 @@ def test_baseline_is_the_hand_written_pmean_step_bit_for_bit(shape, axes):
     "dtype, bits", [(jnp.float32, 32.0), (jnp.bfloat16, 16.0)], ids=["float32", "bfloat16"]
 )
 def test_baseline_telemetry_reports_the_uncompressed_all_reduce(dtype, bits):
-    mesh = _mesh()
+    mesh = auto_mesh()
     params0, batch = _problem(dtype)
     tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
     opt_state = jc.optax.init(tx, params0, mesh, "data")
     specs = jc.optax.state_specs(opt_state, "data")
     assert all(s == P() for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
     assert float(jc.optax.telemetry(opt_state)["wire_bytes"]) == 0  # before the first step
-    step = jc.data_parallel(_loss, tx, mesh)
+    step = jc.data_parallel(mlp_loss, tx, mesh)
     params, opt_state = step.init(params0)
     params, opt_state, _ = step(params, opt_state, batch)
     stats = jc.optax.telemetry(opt_state)
@@ -117,9 +111,9 @@ def test_baseline_telemetry_reports_the_uncompressed_all_reduce(dtype, bits):
 
 
 def test_data_parallel_refuses_a_chain_without_all_reduce():
-    mesh = _mesh()
+    mesh = auto_mesh()
     params0, batch = _problem()
-    step = jc.data_parallel(_loss, optax.adam(1e-3), mesh)
+    step = jc.data_parallel(mlp_loss, optax.adam(1e-3), mesh)
     params, opt_state = step.init(params0)
     with pytest.raises(
         ValueError, match=r"^jc\.data_parallel: the optimizer does not average"
@@ -145,9 +139,9 @@ def _one_leaf_unreduced():
     ids=["multisteps_adam", "one_leaf_unreduced"],
 )
 def test_a_missing_all_reduce_is_found_inside_wrappers(make_tx, leaf):
-    mesh = _mesh()
+    mesh = auto_mesh()
     params0, batch = _problem()
-    step = jc.data_parallel(_loss, make_tx(), mesh)
+    step = jc.data_parallel(mlp_loss, make_tx(), mesh)
     params, opt_state = step.init(params0)
     with pytest.raises(ValueError, match="does not average the gradients") as e:
         step(params, opt_state, batch)
@@ -172,9 +166,9 @@ def test_a_missing_all_reduce_is_found_inside_wrappers(make_tx, leaf):
     ids=["compress", "compress_ring", "onebit_adam", "powersgd", "multisteps", "inject"],
 )
 def test_every_all_reduce_passes_and_keeps_the_replicas_equal(make_tx):
-    mesh = _mesh()
+    mesh = auto_mesh()
     params0, batch = _problem()
-    step = jc.data_parallel(_loss, make_tx(), mesh)
+    step = jc.data_parallel(mlp_loss, make_tx(), mesh)
     params, opt_state = step.init(params0)
     for _ in range(2):  # onebit_adam's second step is compressed
         params, opt_state, loss = step(params, opt_state, batch)
@@ -191,4 +185,4 @@ def test_baseline_misuse_raises():
         tx.update(grads, tx.init(grads))
     # Adam before the all-reduce would keep each device's moments.
     with pytest.raises(ValueError, match="before the compressed all-reduce"):
-        jc.optax.init(optax.chain(optax.adam(1e-3), tx), grads, _mesh(), "data")
+        jc.optax.init(optax.chain(optax.adam(1e-3), tx), grads, auto_mesh(), "data")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import auto_mesh, mlp_loss
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,15 +27,6 @@ if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
 pytestmark = pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
-
-
-def _mesh(shape=(8,), names=("data",)):
-    return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
-
-
-def _mlp_loss(params, batch):
-    x, y = batch
-    return jnp.mean((jnp.tanh(x @ params["w1"] + params["b1"]) @ params["w2"] - y) ** 2)
 
 
 def _mlp():
@@ -173,7 +165,7 @@ def test_nnx_checkpoint_mid_run_resumes_bit_identically(nnx_run, tmp_path):
 
 
 def test_hierarchical_mesh_equals_the_hand_written_step():
-    mesh = _mesh((2, 4), ("slow", "fast"))
+    mesh = auto_mesh((2, 4), ("slow", "fast"))
     axes = ("slow", "fast")
     codec = jc.codecs.QSGD(bits=4)
     tx = optax.chain(
@@ -181,11 +173,11 @@ def test_hierarchical_mesh_equals_the_hand_written_step():
         optax.sgd(0.1, momentum=0.9),
     )
     params0, batch = _mlp()
-    step = jc.data_parallel(_mlp_loss, tx, mesh, axes, donate=False)
+    step = jc.data_parallel(mlp_loss, tx, mesh, axes, donate=False)
     params, opt_state = step.init(params0)
     batch = step.shard_batch(batch)
     assert batch[0].sharding.spec == P(axes)
-    hand = _hand_written(_mlp_loss, tx, mesh, axes)
+    hand = _hand_written(mlp_loss, tx, mesh, axes)
     p2, s2 = params, opt_state
     for _ in range(5):
         params, opt_state, loss = step(params, opt_state, batch)
@@ -199,14 +191,14 @@ def test_accumulation_averages_the_microbatch_gradients():
     """k microbatches of b examples are one batch of k*b: with an exact
     all-reduce (Identity), the update equals the single-batch update up to
     float32 summation order."""
-    mesh = _mesh()
+    mesh = auto_mesh()
     tx = optax.chain(
         jc.optax.compress_gradients(jc.codecs.Identity(), "data", min_compress_size=0),
         optax.sgd(0.5),
     )
     params0, batch = _mlp()
-    one = jc.data_parallel(_mlp_loss, tx, mesh, donate=False)
-    four = jc.data_parallel(_mlp_loss, tx, mesh, accumulate_steps=4, donate=False)
+    one = jc.data_parallel(mlp_loss, tx, mesh, donate=False)
+    four = jc.data_parallel(mlp_loss, tx, mesh, accumulate_steps=4, donate=False)
     p, s = one.init(params0)
     p1, _, l1 = one(p, s, batch)
     p4, _, l4 = four(p, s, batch)
@@ -217,12 +209,12 @@ def test_accumulation_averages_the_microbatch_gradients():
 
 
 def test_key_is_folded_with_the_device_index_and_aux_is_reduced():
-    mesh = _mesh()
+    mesh = auto_mesh()
     tx = optax.chain(jc.optax.compress_gradients("int8", "data"), optax.sgd(0.1))
 
     def loss_fn(params, batch, key):
         u = jax.random.uniform(key)
-        return _mlp_loss(params, batch), {"u": u, "count": jnp.int32(batch[0].shape[0])}
+        return mlp_loss(params, batch), {"u": u, "count": jnp.int32(batch[0].shape[0])}
 
     params0, batch = _mlp()
     step = jc.data_parallel(loss_fn, tx, mesh, has_aux=True, accumulate_steps=2)
@@ -245,7 +237,7 @@ def test_key_is_folded_with_the_device_index_and_aux_is_reduced():
 def test_float32_baseline_chain_without_compression():
     """A chain whose all-reduce is a plain lax.pmean works through the step
     too (nothing is per-device)."""
-    mesh = _mesh()
+    mesh = auto_mesh()
 
     def pmean_grads():
         return optax.GradientTransformation(
@@ -254,31 +246,31 @@ def test_float32_baseline_chain_without_compression():
         )
 
     params0, batch = _mlp()
-    step = jc.data_parallel(_mlp_loss, optax.chain(pmean_grads(), optax.sgd(0.1)), mesh)
+    step = jc.data_parallel(mlp_loss, optax.chain(pmean_grads(), optax.sgd(0.1)), mesh)
     params, opt_state = step.init(params0)
     for _ in range(3):
         params, opt_state, loss = step(params, opt_state, batch)
-    assert float(loss) < float(_mlp_loss(params0, batch))
+    assert float(loss) < float(mlp_loss(params0, batch))
 
 
 # -- misuse ------------------------------------------------------------------
 
 
 def test_misuse_raises_clear_errors():
-    mesh = _mesh()
+    mesh = auto_mesh()
     tx = optax.chain(jc.optax.compress_gradients("qsgd:bits=4", "data"), optax.sgd(0.1))
     params0, batch = _mlp()
     with pytest.raises(ValueError, match=r"not an axis of the mesh, whose axes are \('data',\)"):
-        jc.data_parallel(_mlp_loss, tx, mesh, "batch")
+        jc.data_parallel(mlp_loss, tx, mesh, "batch")
     with pytest.raises(ValueError, match="besides the data axes"):
-        jc.data_parallel(_mlp_loss, tx, _mesh((4, 2), ("data", "model")), "data")
+        jc.data_parallel(mlp_loss, tx, auto_mesh((4, 2), ("data", "model")), "data")
     with pytest.raises(TypeError, match=r"optax\.GradientTransformation"):
-        jc.data_parallel(_mlp_loss, optax.sgd, mesh)
+        jc.data_parallel(mlp_loss, optax.sgd, mesh)
     with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):
-        jc.data_parallel(_mlp_loss, tx, jax.devices())
+        jc.data_parallel(mlp_loss, tx, jax.devices())
     with pytest.raises(ValueError, match="accumulate_steps"):
-        jc.data_parallel(_mlp_loss, tx, mesh, accumulate_steps=0)
-    step = jc.data_parallel(_mlp_loss, tx, mesh, accumulate_steps=2)
+        jc.data_parallel(mlp_loss, tx, mesh, accumulate_steps=0)
+    step = jc.data_parallel(mlp_loss, tx, mesh, accumulate_steps=2)
     params, opt_state = step.init(params0)
     with pytest.raises(ValueError, match=r"multiple of 16 \(8 data devices x accumulate_steps=2"):
         step(params, opt_state, (batch[0][:40], batch[1][:40]))
@@ -297,7 +289,7 @@ def test_nnx_optimizer_route_is_refused():
     compress state. (jc.data_parallel takes the NNX model instead.)"""
     from flax import nnx
 
-    mesh = _mesh()
+    mesh = auto_mesh()
     model = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
     tx = optax.chain(
         jc.optax.compress_gradients("qsgd:bits=4", "data", min_compress_size=0), optax.sgd(0.1)
@@ -363,7 +355,7 @@ def test_nnx_batchnorm_statistics_are_averaged_and_carried(k):
     """Each device's BatchNorm updates its running statistics on its rows
     (on each microbatch in turn); the step keeps their average over the
     devices, replicated, and the next step starts from it."""
-    mesh = _mesh()
+    mesh = auto_mesh()
     tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
     step = jc.data_parallel(_bn_loss, tx, mesh, accumulate_steps=k, donate=False)
     model = _bn_net()
@@ -396,22 +388,22 @@ def test_cpu_mesh_keeps_one_step_in_flight():
     """On the CPU the step waits for the previous step before dispatching
     the next (tests/test_loop_under_load.py runs the documented loop under
     load); max_in_flight sets or lifts the bound."""
-    mesh = _mesh()
+    mesh = auto_mesh()
     tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
     params0, batch = _mlp()
-    step = jc.data_parallel(_mlp_loss, tx, mesh)
+    step = jc.data_parallel(mlp_loss, tx, mesh)
     assert step.max_in_flight == 1
     params, opt_state = step.init(params0)
     params, opt_state, first = step(params, opt_state, batch)
     params, opt_state, _ = step(params, opt_state, batch)
     assert first.is_ready()  # the second call waited for it
-    assert jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=None).max_in_flight is None
-    assert jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=3).max_in_flight == 3
+    assert jc.data_parallel(mlp_loss, tx, mesh, max_in_flight=None).max_in_flight is None
+    assert jc.data_parallel(mlp_loss, tx, mesh, max_in_flight=3).max_in_flight == 3
     one_device = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    assert jc.data_parallel(_mlp_loss, tx, one_device).max_in_flight is None  # no collective
+    assert jc.data_parallel(mlp_loss, tx, one_device).max_in_flight is None  # no collective
     for bad in (0, True, "always", 1.5):
         with pytest.raises(ValueError, match="max_in_flight must be"):
-            jc.data_parallel(_mlp_loss, tx, mesh, max_in_flight=bad)
+            jc.data_parallel(mlp_loss, tx, mesh, max_in_flight=bad)
 
 
 def test_nnx_loss_that_adds_variables_is_refused():
@@ -430,7 +422,7 @@ def test_nnx_loss_that_adds_variables_is_refused():
             return y
 
     tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
-    step = jc.data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), tx, _mesh())
+    step = jc.data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), tx, auto_mesh())
     params, opt_state = step.init(Lazy(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"added or removed variables.*has_aux=True"):
         step(params, opt_state, _mlp()[1])

@@ -15,8 +15,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp._axes import describe_bound_axes
 from jaxcomp.optax._telemetry import Telemetry, exact_stats, zero_telemetry
+from jaxcomp.optax._transform import _bound_axis_sizes
 
 _WHO = "jc.optax.pmean"
 
@@ -45,21 +45,6 @@ def _axis_names(axis_name) -> tuple:
             )
         return tuple(axis_name)
     return (axis_name,)
-
-
-def _bound_sizes(axes: tuple) -> tuple[int, ...]:
-    sizes = []
-    for a in axes:
-        try:
-            sizes.append(int(lax.axis_size(a)))
-        except NameError as e:
-            raise ValueError(
-                f"{_WHO}: update must run inside jax.shard_map or jax.pmap over the axis "
-                f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
-                "train step (docs/training-loop.md), or pass the axis_name of your mesh / pmap."
-                + describe_bound_axes()
-            ) from e
-    return tuple(sizes)
 
 
 def _is_reduced(g) -> bool:
@@ -96,7 +81,7 @@ def pmean(axis_name="data") -> optax.GradientTransformation:
         del params
         if not isinstance(state, PmeanState):
             raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a PmeanState")
-        sizes = _bound_sizes(axes)
+        sizes = _bound_axis_sizes(axes, _WHO)
         leaves, treedef = jax.tree.flatten(grads)
         reduced = [i for i, g in enumerate(leaves) if _is_reduced(g)]
         means = lax.pmean([leaves[i] for i in reduced], axes if len(axes) > 1 else axes[0])

@@ -117,14 +117,16 @@ def _warn_unsafe(plan: Plan, algorithm: str) -> None:
             warnings.warn(f"{_WHO}: {why}", RuntimeWarning, stacklevel=4)
 
 
-def _bound_axis_sizes(axis_name) -> tuple[int, ...]:
+def _bound_axis_sizes(axis_name, who: str = _WHO) -> tuple[int, ...]:
+    """The sizes of the mapped axes ``axis_name``, or an error (from ``who``)
+    that says how to bind them."""
     sizes = []
     for a in _axis_names(axis_name):
         try:
             sizes.append(int(lax.axis_size(a)))
         except NameError as e:
             raise ValueError(
-                f"{_WHO}: update must run inside jax.shard_map or jax.pmap over the axis "
+                f"{who}: update must run inside jax.shard_map or jax.pmap over the axis "
                 f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
                 "train step (see docs/training.md), or pass the axis_name of your mesh / pmap."
                 + describe_bound_axes()
