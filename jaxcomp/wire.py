@@ -22,7 +22,7 @@ import functools
 import math
 import struct
 import zlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -137,7 +137,32 @@ def to_bytes(payload: Payload) -> bytes:
     """
     if not isinstance(payload, Payload):
         raise TypeError(f"to_bytes expects a jaxcomp.Payload, got {type(payload).__name__}")
-    codec = payload.codec
+    codec_id, params = _codec_fields(payload.codec)
+    tensor_code = _tensor_code(payload)
+    descriptors, chunks = _array_fields(payload)
+    shape = payload.shape
+    header_len = (
+        FIXED_NBYTES
+        + _PARAM.size * len(params)
+        + _DIM.size * len(shape)
+        + DESCRIPTOR_NBYTES * len(chunks)
+    )
+    total = header_len + sum(len(c) for c in chunks) + CRC_NBYTES
+    parts = [
+        _FIXED.pack(
+            MAGIC, VERSION, codec_id, tensor_code, len(shape), len(params), len(chunks), total
+        ),
+        *(_PARAM.pack(p) for p in params),
+        *(_DIM.pack(d) for d in shape),
+        *descriptors,
+        *chunks,
+    ]
+    body = b"".join(parts)
+    return body + _CRC.pack(zlib.crc32(body))
+
+
+def _codec_fields(codec: codec_base.Codec) -> tuple[int, tuple[int, ...]]:
+    """The codec's id and wire params, checked to fit their header fields."""
     name = type(codec).__name__
     codec_id = int(codec.codec_id)
     if not 0 <= codec_id <= 0xFFFF:
@@ -148,6 +173,11 @@ def to_bytes(payload: Payload) -> bytes:
     for p in params:
         if not -(1 << 63) <= p < (1 << 63):
             raise ValueError(f"to_bytes: {name} wire param {p} does not fit in int64")
+    return codec_id, params
+
+
+def _tensor_code(payload: Payload) -> int:
+    """The tensor's dtype code, after checking its shape fits the format."""
     shape = payload.shape
     if len(shape) > MAX_NDIM:
         raise ValueError(f"to_bytes: tensor rank {len(shape)} exceeds {MAX_NDIM}")
@@ -159,16 +189,20 @@ def to_bytes(payload: Payload) -> bytes:
         raise ValueError(
             f"to_bytes: tensor dtype {payload.dtype.name} is not one of float32, bfloat16, float16"
         )
-    tensor_code = DTYPE_CODES[payload.dtype]
+    return DTYPE_CODES[payload.dtype]
 
-    layout = codec.layout(shape, payload.dtype)
+
+def _array_fields(payload: Payload) -> tuple[list[bytes], list[bytes]]:
+    """(descriptors, data) of the payload's arrays, each checked against the
+    codec's layout, the data as little-endian bytes."""
+    name = type(payload.codec).__name__
+    layout = payload.codec.layout(payload.shape, payload.dtype)
     arrays = payload.arrays
     if list(arrays) != list(layout):
         raise ValueError(
             f"to_bytes: {name} payload arrays are {list(arrays)}, expected {list(layout)} in that order"
         )
-    descriptors = []
-    chunks = []
+    descriptors, chunks = [], []
     for k, spec in layout.items():
         a = arrays[k]
         if isinstance(a, jax.core.Tracer):
@@ -191,25 +225,7 @@ def to_bytes(payload: Payload) -> bytes:
             .astype(wire_uint)
             .tobytes()
         )
-
-    header_len = (
-        FIXED_NBYTES
-        + _PARAM.size * len(params)
-        + _DIM.size * len(shape)
-        + DESCRIPTOR_NBYTES * len(layout)
-    )
-    total = header_len + sum(len(c) for c in chunks) + CRC_NBYTES
-    parts = [
-        _FIXED.pack(
-            MAGIC, VERSION, codec_id, tensor_code, len(shape), len(params), len(layout), total
-        ),
-        *(_PARAM.pack(p) for p in params),
-        *(_DIM.pack(d) for d in shape),
-        *descriptors,
-        *chunks,
-    ]
-    body = b"".join(parts)
-    return body + _CRC.pack(zlib.crc32(body))
+    return descriptors, chunks
 
 
 # Readers see the same few configurations and shapes over and over: both
@@ -280,6 +296,37 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
         raise WireFormatError(
             f"from_bytes expects a contiguous bytes-like object, got {type(b).__name__}"
         ) from e
+    # First that the bytes are intact, then that they mean something.
+    h = _read_frame(buf)
+    codec = _read_codec(h.codec_id, h.params)
+    dtype = _read_tensor(h.tensor_code, h.shape, max_elements)
+    try:
+        layout = _layout_of(codec, h.shape, dtype)
+    except Exception as e:
+        raise _fail(f"{codec!r} has no layout for shape {list(h.shape)} {dtype.name}: {e}") from e
+    if len(layout) != len(h.descriptors):
+        raise _fail(
+            f"{codec!r} on {dtype.name}{list(h.shape)} has {len(layout)} arrays "
+            f"({', '.join(k for k, *_ in layout)}), the message has {len(h.descriptors)}"
+        )
+    arrays = _read_arrays(buf, h.header_len, codec, h.shape, dtype, layout, h.descriptors)
+    return codec, h.shape, dtype, arrays
+
+
+class _Frame(NamedTuple):
+    """A message's header fields, read and checked against its length."""
+
+    codec_id: int
+    tensor_code: int
+    params: tuple[int, ...]
+    shape: tuple[int, ...]
+    descriptors: list[tuple[np.dtype, int]]
+    header_len: int
+
+
+def _read_frame(buf: memoryview) -> _Frame:
+    """The header of the message in ``buf``: magic, version, every field
+    inside the buffer, the declared and actual lengths, the CRC."""
     n = len(buf)
     if n < len(MAGIC):
         raise _fail(f"truncated: {n} bytes, shorter than the {len(MAGIC)}-byte magic")
@@ -311,16 +358,8 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
     off += _PARAM.size * nparams
     shape = tuple(_DIM.unpack_from(buf, off + _DIM.size * i)[0] for i in range(ndim))
     off += _DIM.size * ndim
-    descriptors = []
-    data_len = 0
-    for i in range(narrays):
-        code, count = _DESCRIPTOR.unpack_from(buf, off)
-        off += DESCRIPTOR_NBYTES
-        dt = _DTYPES_BY_CODE.get(code)
-        if dt is None:
-            raise _fail(f"array {i} has unknown dtype code {code}")
-        descriptors.append((dt, count))
-        data_len += count * dt.itemsize  # Python ints: no overflow
+    descriptors = _read_descriptors(buf, off, narrays)
+    data_len = sum(count * dt.itemsize for dt, count in descriptors)  # Python ints: no overflow
     if header_len + data_len + CRC_NBYTES != n:
         raise _fail(
             f"inconsistent sizes: the array descriptors declare {data_len} data bytes after a "
@@ -330,8 +369,23 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
     actual = zlib.crc32(buf[: n - CRC_NBYTES])
     if crc != actual:
         raise _fail(f"CRC mismatch: trailer says {crc:#010x}, the data gives {actual:#010x}")
+    return _Frame(codec_id, tensor_code, params, shape, descriptors, header_len)
 
-    # The bytes are intact; now check that they mean something.
+
+def _read_descriptors(buf: memoryview, off: int, narrays: int) -> list[tuple[np.dtype, int]]:
+    """The ``(dtype, count)`` of each array, from ``narrays`` descriptors at ``off``."""
+    descriptors = []
+    for i in range(narrays):
+        code, count = _DESCRIPTOR.unpack_from(buf, off + DESCRIPTOR_NBYTES * i)
+        dt = _DTYPES_BY_CODE.get(code)
+        if dt is None:
+            raise _fail(f"array {i} has unknown dtype code {code}")
+        descriptors.append((dt, count))
+    return descriptors
+
+
+def _read_codec(codec_id: int, params: tuple[int, ...]) -> codec_base.Codec:
+    """The registered codec of ``codec_id``, built from canonical ``params``."""
     cls = codec_base.by_id(codec_id)
     if cls is None:
         known = [(c.codec_id, c.name) for c in codec_base.registered()]
@@ -347,11 +401,16 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
             f"{cls.__name__} wire params {list(params)} are not canonical (they read as "
             f"{codec!r}, whose params are {list(canonical)})"
         )
+    return codec
+
+
+def _read_tensor(tensor_code: int, shape: tuple[int, ...], max_elements: int | None) -> np.dtype:
+    """The tensor's dtype, after checking its shape against the format's and
+    the caller's limits."""
     if tensor_code not in _TENSOR_DTYPE_CODES:
         raise _fail(
             f"tensor dtype code {tensor_code} is not float32 (1), bfloat16 (2) or float16 (3)"
         )
-    dtype = _DTYPES_BY_CODE[tensor_code]
     size = 1
     for d in shape:
         if d > MAX_ELEMENTS:
@@ -363,22 +422,7 @@ def parse(b: bytes | bytearray | memoryview, *, max_elements: int | None = None)
         raise _fail(
             f"shape {list(shape)} has {size} elements, over the caller's max_elements={max_elements}"
         )
-    try:
-        layout = _layout_of(codec, shape, dtype)
-    except Exception as e:
-        raise _fail(f"{codec!r} has no layout for shape {list(shape)} {dtype.name}: {e}") from e
-    if len(layout) != narrays:
-        raise _fail(
-            f"{codec!r} on {dtype.name}{list(shape)} has {len(layout)} arrays "
-            f"({', '.join(k for k, *_ in layout)}), the message has {narrays}"
-        )
-
-    return (
-        codec,
-        shape,
-        dtype,
-        _read_arrays(buf, header_len, codec, shape, dtype, layout, descriptors),
-    )
+    return _DTYPES_BY_CODE[tensor_code]
 
 
 def _read_arrays(
