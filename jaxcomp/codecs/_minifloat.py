@@ -62,6 +62,15 @@ def format_named(codec: str, param: str, name, allowed) -> Format:
     return FORMATS[name]
 
 
+def check_stochastic(codec) -> None:
+    """Checks the codec's ``stochastic`` field is a bool, and stores it as one."""
+    if not isinstance(codec.stochastic, (bool, np.bool_)):
+        raise ValueError(
+            f"{type(codec).__name__}: stochastic must be True or False, got {codec.stochastic!r}"
+        )
+    object.__setattr__(codec, "stochastic", bool(codec.stochastic))
+
+
 def _pow2(k: jax.Array) -> jax.Array:
     """2^k as float32 from its exponent bits (k in [-126, 127]; -127 gives 0,
     as minifloat.h's pow2f)."""

@@ -60,9 +60,7 @@ class FP8(BucketedCodec):
 
     def __post_init__(self):
         mf.format_named("FP8", "format", self.format, _FORMATS)
-        if not isinstance(self.stochastic, (bool, np.bool_)):
-            raise ValueError(f"FP8: stochastic must be True or False, got {self.stochastic!r}")
-        object.__setattr__(self, "stochastic", bool(self.stochastic))
+        mf.check_stochastic(self)
         check_bucket_size("FP8", self.bucket_size)
 
     @classmethod

@@ -80,9 +80,7 @@ class MX(BucketedCodec):
 
     def __post_init__(self):
         mf.format_named("MX", "element", self.element, _ELEMENTS)
-        if not isinstance(self.stochastic, (bool, np.bool_)):
-            raise ValueError(f"MX: stochastic must be True or False, got {self.stochastic!r}")
-        object.__setattr__(self, "stochastic", bool(self.stochastic))
+        mf.check_stochastic(self)
         if self.bucket_size != BLOCK or isinstance(self.bucket_size, bool):
             raise ValueError(
                 f"MX: bucket_size is the specification's block of {BLOCK} values, got "

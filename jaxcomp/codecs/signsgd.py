@@ -52,8 +52,8 @@ class SignSGD(BucketedCodec):
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)
         return {
-            "signs": array(nb * self.bucket_size // 8, np.uint8),
-            "scales": array(nb, np.float32),
+            "signs": array(nb * self.bucket_size // 8, np.uint8),  # a bit per element
+            "scales": array(nb, np.float32),  # the bucket's mean magnitude
         }
 
     def twin_encode(self, x):
