@@ -67,6 +67,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def worker_xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a worker process: this process's flags (CI's
+    optimization level, say) without its simulated device count, and
+    ``devices`` simulated CPU devices if given."""
+    import os
+
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
 def run_processes(commands, envs, *, timeout: float, cwd=None) -> list[str]:
     """Runs one process per command (``envs[i]`` its environment) at once,
     each bounded by ``timeout`` seconds, and kills whatever is left.

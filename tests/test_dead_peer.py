@@ -18,12 +18,12 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from helpers import free_port, worker_xla_flags
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,12 +32,6 @@ START_S = 120  # to start, join the job and compile, on a loaded machine
 KILLED_BOUND_S = 10.0  # measured: 0.04-0.15 s
 HEARTBEAT_S = 4
 HEARTBEAT_MARGIN_S = 10.0  # the service's check period, the abort, the load
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _events(path: pathlib.Path) -> dict[str, float]:
@@ -49,8 +43,8 @@ def _run_job(tmp_path, num, victim, how, heartbeat, until, limit_s):
     """Starts ``num`` workers, waits until ``until(procs, logs)`` holds or
     ``limit_s`` passes, then kills every worker still alive. Returns the
     logs' paths and the processes."""
-    port = _free_port()
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    port = free_port()
+    env = {**os.environ, "XLA_FLAGS": worker_xla_flags(), "JAX_PLATFORMS": "cpu"}
     logs = [tmp_path / f"{i}.log" for i in range(num)]
     procs = []
     try:

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 WORKER = pathlib.Path(__file__).with_name("_mp_worker.py")
 sys.path.insert(0, str(WORKER.parent))
 import _mp_worker  # noqa: E402
-from helpers import free_port, run_processes  # noqa: E402
+from helpers import free_port, run_processes, worker_xla_flags  # noqa: E402
 
 
 # Four processes (two would leave ring and two-phase a single hop each); the
@@ -31,7 +31,7 @@ def test_psum_across_processes_matches_one_process(tmp_path, num):
     if len(jax.devices()) < num:
         pytest.skip(f"the single-process reference needs {num} devices")
     port = free_port()
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": worker_xla_flags(), "JAX_PLATFORMS": "cpu"}
     run_processes(
         [[sys.executable, WORKER, port, num, i, tmp_path / f"{i}.npz"] for i in range(num)],
         [env] * num,

@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import free_port, run_processes
+from helpers import free_port, run_processes, worker_xla_flags
 
 pytestmark = pytest.mark.multiprocess
 
@@ -25,7 +25,7 @@ def test_two_processes_of_four_devices(tmp_path):
     port = free_port()
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={local}",
+        "XLA_FLAGS": worker_xla_flags(local),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
     }

@@ -10,7 +10,7 @@ import sys
 
 import jax
 import pytest
-from helpers import free_port, run_processes
+from helpers import free_port, run_processes, worker_xla_flags
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training-loop.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
@@ -54,7 +54,7 @@ def test_multiprocess_example_runs(tmp_path):
     envs = [
         {
             **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+            "XLA_FLAGS": worker_xla_flags(2),
             "JAX_PLATFORMS": "cpu",
             "COORDINATOR": f"127.0.0.1:{port}",
             "NUM_PROCESSES": "2",
