@@ -1,5 +1,5 @@
-// Float casts on CUDA (the Cast codec's encode and decode): the target
-// jaxcomp_cast, with the checks and bytes of ffi/cast.cc. Conversions and
+// Float casts on CUDA (the Cast codec's encode and decode): the handler of
+// kCast, with the checks and bytes of ffi/cast.cc. The target, conversions and
 // checks in ffi/include/jaxcomp/cast.h.
 #include <cuda_runtime.h>
 
@@ -28,7 +28,7 @@ ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   const Batch b(x, *y);
   const DType from = dtype_of(x.element_type()), to = dtype_of(y->element_type());
   const int64_t n = b.count(0);
-  return launch_batch("jaxcomp_cast", b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i) {
+  return launch_batch(b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i) {
     with_type(from, [&](auto in_tag) {
       with_type(to, [&](auto out_tag) {
         const auto* xd = b.at<const decltype(in_tag)>(0, i);
@@ -39,13 +39,8 @@ ffi::Error CastImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyB
   });
 }
 
+JAXCOMP_REGISTER(kCast, CastImpl);
+
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaCast, jaxcomp::cuda::CastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x
-                                  .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even
-JAXCOMP_REGISTER("jaxcomp_cast", JaxcompCudaCast);

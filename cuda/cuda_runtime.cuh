@@ -14,6 +14,14 @@
 #include "kernels.cuh"
 
 namespace jaxcomp {
+
+// The CUDA handlers' context (handler.h: Handler): the stream XLA runs the
+// computation on.
+namespace binding {
+template <>
+struct Bound<cudaStream_t> : AsCtx<ffi::PlatformStream<cudaStream_t>> {};
+}  // namespace binding
+
 namespace cuda {
 
 // XLA's buffers are normally aligned well beyond 16 bytes, which the kernels
@@ -60,10 +68,11 @@ inline unsigned item_blocks(int64_t count) {
 }
 
 // Launches are asynchronous; this reports a bad configuration or an earlier
-// failure on the stream's device under the op's name.
-inline ffi::Error launched(const char* op) {
+// failure on the stream's device (under the target's name, as every error of
+// a handler).
+inline ffi::Error launched() {
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(e));
+  if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
   return ffi::Error::Success();
 }
 
@@ -73,57 +82,34 @@ inline ffi::Error launched(const char* op) {
 // sequence per entry, not a grid over the batch), unless `work` is 0 (an
 // empty tensor: nothing to do); then the launch check.
 template <size_t N, typename Launch>
-ffi::Error launch_batch(const char* op, const Batch<N>& batch, const char* error, int64_t work, const Launch& launch) {
-  if (const char* e = batch.check(error)) return invalid(op, e);
+ffi::Error launch_batch(const Batch<N>& batch, const char* error, int64_t work, const Launch& launch) {
+  if (const char* e = batch.check(error)) return invalid(e);
   if (work == 0) return ffi::Error::Success();
   for (int64_t i = 0; i < batch.size(); ++i) launch(i);
-  return launched(op);
+  return launched();
 }
 
-// The CUDA handlers of the pair families (ffi/handler.h). A family names its
-// op, its check and the function that launches the kernels of one tensor,
-// and registers the result, as on the CPU (ffi/cpu_buckets.h).
-template <ffi::DataType kCodes, ffi::DataType kSide>
-struct PairHandlers {
-  using Codes = ffi::NativeType<kCodes>;
-  using Side = ffi::NativeType<kSide>;
-  using Encode = void (*)(cudaStream_t, DType, const void* x, int64_t n, int64_t bucket, Codes*, Side*);
-  using Decode = void (*)(cudaStream_t, DType, const Codes*, const Side*, int64_t n, int64_t bucket, void* out);
+}  // namespace cuda
 
-  template <const char* kOp, PairCheck kCheck, Encode kEncode>
-  static ffi::Error encode_impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<kCodes> codes,
-                                ffi::ResultBuffer<kSide> side, int64_t bucket) {
-    const Batch<3> b(x, *codes, *side);
-    const DType dt = dtype_of(x.element_type());
-    const int64_t n = b.count(0);
-    return launch_batch(kOp, b, kCheck(dt, n, b.count(1), b.count(2), bucket), n, [&](int64_t i) {
-      kEncode(stream, dt, b.at<void>(0, i), n, bucket, b.at<Codes>(1, i), b.at<Side>(2, i));
-    });
-  }
-
-  template <const char* kOp, PairCheck kCheck, Decode kDecode>
-  static ffi::Error decode_impl(cudaStream_t stream, ffi::Buffer<kCodes> codes, ffi::Buffer<kSide> side,
-                                ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-    const Batch<3> b(codes, side, *out);
-    const DType dt = dtype_of(out->element_type());
-    const int64_t n = b.count(2);
-    return launch_batch(kOp, b, kCheck(dt, n, b.count(0), b.count(1), bucket), n, [&](int64_t i) {
-      kDecode(stream, dt, b.at<Codes>(0, i), b.at<Side>(1, i), n, bucket, b.at<void>(2, i));
-    });
-  }
-
-  template <const char* kOp, PairCheck kCheck, Encode kEncode>
-  static XLA_FFI_Error* encode(XLA_FFI_CallFrame* frame) {
-    return pair_encode_handler<ffi::PlatformStream<cudaStream_t>, kCodes, kSide, encode_impl<kOp, kCheck, kEncode>>(
-        frame);
-  }
-
-  template <const char* kOp, PairCheck kCheck, Decode kDecode>
-  static XLA_FFI_Error* decode(XLA_FFI_CallFrame* frame) {
-    return pair_decode_handler<ffi::PlatformStream<cudaStream_t>, kCodes, kSide, decode_impl<kOp, kCheck, kDecode>>(
-        frame);
+// CUDA as ffi/handler.h's PairHandlers see it: the families' functions
+// launch their kernels on the stream.
+struct CudaPlatform {
+  using Context = cudaStream_t;
+  using Work = cudaStream_t;
+  static void hint(void*, size_t) {}
+  template <size_t N, typename Launch>
+  static ffi::Error run(cudaStream_t stream, const Batch<N>& batch, const char* error, int64_t work,
+                        const Launch& launch) {
+    return cuda::launch_batch(batch, error, work, [&](int64_t i) { launch(i, stream); });
   }
 };
+
+namespace cuda {
+
+// The pair families' CUDA handlers, as on the CPU (ffi/cpu_buckets.h):
+//   JAXCOMP_REGISTER(kInt8Decode, Handlers::decode<check_pair_decode<int8_sizes>, decode>);
+template <ffi::DataType kCodes, ffi::DataType kSide>
+using CudaPairHandlers = PairHandlers<CudaPlatform, kCodes, kSide>;
 
 }  // namespace cuda
 }  // namespace jaxcomp

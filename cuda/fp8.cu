@@ -1,11 +1,11 @@
-// FP8 on CUDA: the targets jaxcomp_fp8_encode and jaxcomp_fp8_decode, with the
-// buffers, checks and bytes of ffi/fp8.cc. Rounding in
+// FP8 on CUDA: the handlers of kFp8Encode and kFp8Decode, with the buffers,
+// checks and bytes of ffi/fp8.cc. Rounding in
 // ffi/include/jaxcomp/minifloat.h: to nearest even by the conversion
 // instruction of sm_89 and later (mini_encode_rn, which keeps NaN and
 // infinity on the software path so that the bytes are the CPU's; checked on a
 // GPU only by tests/test_gpu.py), stochastically and on older devices by the
-// software conversion, bit-identical to the CPU's. Sizes and checks in
-// ffi/include/jaxcomp/fp8.h; twin in jaxcomp/codecs/fp8.py.
+// software conversion, bit-identical to the CPU's. The targets, sizes and
+// checks in ffi/include/jaxcomp/fp8.h; twin in jaxcomp/codecs/fp8.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -47,64 +47,33 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket,
-                      int64_t format, int64_t stochastic) {
-  const Batch b(x, seed, *codes, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = fp8_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, format, stochastic);
-  return launch_batch("jaxcomp_fp8_encode", b, error, n, [&](int64_t i) {
-    const int64_t nb = num_buckets(n, bucket);
-    const Geometry g = geometry(bucket);
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true> : fp8_encode_kernel<T, false>;
-      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(b.at<const T>(0, i), n, nb, g, static_cast<int>(format),
-                                                            b.at<const uint32_t>(1, i), b.at<uint8_t>(2, i),
-                                                            b.at<float>(3, i));
-    });
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cuda_runtime.cuh), one tensor at a time
+// ---------------------------------------------------------------------------
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
+            float* scales, int64_t bucket, int64_t format, int64_t stochastic) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true> : fp8_encode_kernel<T, false>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(static_cast<const T*>(x), n, nb, g, static_cast<int>(format),
+                                                          seed, codes, scales);
   });
 }
 
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket, int64_t format) {
-  const Batch b(codes, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = fp8_check_decode(dt, n, b.count(0), b.count(1), bucket, format);
-  return launch_batch("jaxcomp_fp8_decode", b, error, n, [&](int64_t i) {
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      fp8_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(b.at<const uint8_t>(0, i), b.at<const float>(1, i),
-                                                                 b.at<T>(2, i), n, log2_int(bucket),
-                                                                 static_cast<int>(format));
-    });
+void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const float* scales, int64_t n, void* out,
+            int64_t bucket, int64_t format) {
+  with_type(dt, [&](auto tag) {
+    fp8_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(codes, scales, static_cast<decltype(tag)*>(out), n,
+                                                               log2_int(bucket), static_cast<int>(format));
   });
 }
+
+using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kFp8Encode, Handlers::encode<fp8_check_encode, encode>);
+JAXCOMP_REGISTER(kFp8Decode, Handlers::decode<fp8_check_decode, decode>);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaFp8Encode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element (padded)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // max|v| per block
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("format")        // 0: e4m3, 1: e5m2
-                                  .Attr<int64_t>("stochastic"));  // 1: stochastic, 0: nearest even
-JAXCOMP_REGISTER("jaxcomp_fp8_encode", JaxcompCudaFp8Encode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaFp8Decode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // max|v| per block
-                                  .Ret<ffi::AnyBuffer>()         // flat output, the input's dtype
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<int64_t>("format"));
-JAXCOMP_REGISTER("jaxcomp_fp8_decode", JaxcompCudaFp8Decode);

@@ -1,5 +1,5 @@
-// Int8 on CUDA: the targets jaxcomp_int8_encode and jaxcomp_int8_decode, with
-// the buffers, checks and bytes of ffi/int8.cc. Bodies, sizes and checks in
+// Int8 on CUDA: the handlers of kInt8Encode and kInt8Decode, with the buffers,
+// checks and bytes of ffi/int8.cc. The targets, bodies, sizes and checks in
 // ffi/include/jaxcomp/int8.h; twin in jaxcomp/codecs/int8.py.
 #include <cuda_runtime.h>
 
@@ -35,7 +35,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int64_t bucket, int8_t* q, float* scales) {
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int8_t* q, float* scales, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-void decode(cudaStream_t stream, DType dt, const int8_t* q, const float* scales, int64_t n, int64_t bucket, void* out) {
+void decode(cudaStream_t stream, DType dt, const int8_t* q, const float* scales, int64_t n, void* out, int64_t bucket) {
   with_type(dt, [&](auto tag) {
     auto* o = static_cast<decltype(tag)*>(out);
     int8_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(q, scales, o, n, log2_int(bucket / 8),
@@ -68,11 +68,9 @@ void decode(cudaStream_t stream, DType dt, const int8_t* q, const float* scales,
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cuda_runtime.cuh), q being the codes
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::S8, ffi::F32>;
-constexpr char kEncode[] = "jaxcomp_int8_encode";
-constexpr char kDecode[] = "jaxcomp_int8_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, int8_check_encode, encode>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode, decode>));
+using Handlers = CudaPairHandlers<ffi::S8, ffi::F32>;
+JAXCOMP_REGISTER(kInt8Encode, Handlers::encode<check_pair_encode<int8_sizes>, encode>);
+JAXCOMP_REGISTER(kInt8Decode, Handlers::decode<check_pair_decode<int8_sizes>, decode>);
 
 }  // namespace
 }  // namespace cuda

@@ -1,11 +1,11 @@
-// MX on CUDA: the targets jaxcomp_mx_encode and jaxcomp_mx_decode, with the
-// buffers, checks and bytes of ffi/mx.cc. One warp per block of 32 values
+// MX on CUDA: the handlers of kMxEncode and kMxDecode, with the buffers,
+// checks and bytes of ffi/mx.cc. One warp per block of 32 values
 // (a lane per value: the max over the warp's shuffles, the codes packed by
 // the lanes that own a byte group). Rounding and the E8M0 scale in
 // ffi/include/jaxcomp/minifloat.h: software, as the CPU's, except that MXFP8
 // elements rounded to nearest even take the conversion instruction of sm_89
 // and later (mini_encode_rn: the same bytes by the reasoning there, checked on
-// a GPU only by tests/test_gpu.py). Packing, sizes and checks in
+// a GPU only by tests/test_gpu.py). The targets, packing, sizes and checks in
 // ffi/include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
 #include <cuda_runtime.h>
 
@@ -75,60 +75,33 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> scales, int64_t format,
-                      int64_t stochastic) {
-  const Batch b(x, seed, *codes, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = mx_check_encode(dt, n, b.count(1), b.count(2), b.count(3), format, stochastic);
-  return launch_batch("jaxcomp_mx_encode", b, error, n, [&](int64_t i) {
-    const int64_t nb = num_buckets(n, kMxBlock);
-    const unsigned blocks = static_cast<unsigned>((nb * kMxBlock + kThreads - 1) / kThreads);
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      auto kernel = stochastic != 0 ? mx_encode_kernel<T, true> : mx_encode_kernel<T, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(b.at<const T>(0, i), n, nb, static_cast<int>(format),
-                                              b.at<const uint32_t>(1, i), b.at<uint8_t>(2, i), b.at<uint8_t>(3, i));
-    });
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cuda_runtime.cuh), one tensor at a time
+// ---------------------------------------------------------------------------
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
+            uint8_t* scales, int64_t format, int64_t stochastic) {
+  const int64_t nb = num_buckets(n, kMxBlock);
+  const unsigned blocks = static_cast<unsigned>((nb * kMxBlock + kThreads - 1) / kThreads);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = stochastic != 0 ? mx_encode_kernel<T, true> : mx_encode_kernel<T, false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), n, nb, static_cast<int>(format), seed, codes,
+                                            scales);
   });
 }
 
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t format) {
-  const Batch b(codes, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = mx_check_decode(dt, n, b.count(0), b.count(1), format);
-  return launch_batch("jaxcomp_mx_decode", b, error, n, [&](int64_t i) {
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      mx_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(b.at<const uint8_t>(0, i), b.at<const uint8_t>(1, i),
-                                                                b.at<T>(2, i), n, static_cast<int>(format));
-    });
+void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* scales, int64_t n, void* out,
+            int64_t format) {
+  with_type(dt, [&](auto tag) {
+    mx_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(codes, scales, static_cast<decltype(tag)*>(out), n,
+                                                              static_cast<int>(format));
   });
 }
+
+using Handlers = CudaPairHandlers<ffi::U8, ffi::U8>;
+JAXCOMP_REGISTER(kMxEncode, Handlers::encode<mx_check_encode, encode>);
+JAXCOMP_REGISTER(kMxDecode, Handlers::decode<mx_check_decode, decode>);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaMxEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed element codes
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one E8M0 scale per block of 32
-                                  .Attr<int64_t>("format")        // element format, minifloat.h
-                                  .Attr<int64_t>("stochastic"));  // 1: stochastic, 0: nearest even
-JAXCOMP_REGISTER("jaxcomp_mx_encode", JaxcompCudaMxEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaMxDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // packed element codes
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // E8M0 scales
-                                  .Ret<ffi::AnyBuffer>()        // flat output, the input's dtype
-                                  .Attr<int64_t>("format"));
-JAXCOMP_REGISTER("jaxcomp_mx_decode", JaxcompCudaMxDecode);

@@ -1,7 +1,7 @@
-// Natural compression on CUDA: the targets jaxcomp_natural_encode and
-// jaxcomp_natural_decode, with the buffers, checks and bytes of
-// ffi/natural.cc. Bodies, sizes and checks in ffi/include/jaxcomp/natural.h;
-// twin in jaxcomp/codecs/natural.py.
+// Natural compression on CUDA: the handlers of kNaturalEncode and
+// kNaturalDecode, with the buffers, checks and bytes of ffi/natural.cc. The
+// targets, bodies, sizes and checks in ffi/include/jaxcomp/natural.h; twin in
+// jaxcomp/codecs/natural.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -42,6 +42,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
+            uint8_t* tops, int64_t bucket, int64_t stochastic) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = stochastic != 0 ? natural_encode_kernel<T, true> : natural_encode_kernel<T, false>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(static_cast<const T*>(x), n, nb, g, seed, codes, tops);
+  });
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     natural_decode_kernel(const uint8_t* __restrict__ codes, const uint8_t* __restrict__ tops, T* __restrict__ out,
@@ -49,8 +60,8 @@ __global__ void __launch_bounds__(kThreads)
   grid_stride(n, [&](int64_t e) { out[e] = decoded<T>(natural_value(codes[e], tops[e >> bucket_shift])); });
 }
 
-void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, int64_t bucket,
-            void* out) {
+void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* tops, int64_t n, void* out,
+            int64_t bucket) {
   with_type(dt, [&](auto tag) {
     natural_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(codes, tops, static_cast<decltype(tag)*>(out), n,
                                                                    log2_int(bucket));
@@ -58,42 +69,12 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* 
 }
 
 // ---------------------------------------------------------------------------
-// Handlers: decode is the pair families' (cuda_runtime.cuh)
+// Handlers: the pair families' (cuda_runtime.cuh)
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::U8>;
-constexpr char kDecode[] = "jaxcomp_natural_decode";
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, decode>));
-
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
-                      int64_t stochastic) {
-  const Batch b(x, seed, *codes, *tops);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = natural_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, stochastic);
-  return launch_batch("jaxcomp_natural_encode", b, error, n, [&](int64_t i) {
-    const int64_t nb = num_buckets(n, bucket);
-    const Geometry g = geometry(bucket);
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      auto kernel = stochastic != 0 ? natural_encode_kernel<T, true> : natural_encode_kernel<T, false>;
-      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(b.at<const T>(0, i), n, nb, g, b.at<const uint32_t>(1, i),
-                                                            b.at<uint8_t>(2, i), b.at<uint8_t>(3, i));
-    });
-  });
-}
+using Handlers = CudaPairHandlers<ffi::U8, ffi::U8>;
+JAXCOMP_REGISTER(kNaturalEncode, Handlers::encode<natural_check_encode, encode>);
+JAXCOMP_REGISTER(kNaturalDecode, Handlers::decode<check_pair_decode<natural_sizes, kBadTops>, decode>);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaNaturalEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
-JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompCudaNaturalEncode);

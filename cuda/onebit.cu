@@ -1,7 +1,6 @@
-// 1-bit SGD on CUDA: the targets jaxcomp_onebit_encode and
-// jaxcomp_onebit_decode, with the buffers, checks and bytes of ffi/onebit.cc.
-// Bodies, sizes and checks in ffi/include/jaxcomp/onebit.h; twin in
-// jaxcomp/codecs/onebit.py.
+// 1-bit SGD on CUDA: the handlers of kOnebitEncode and kOnebitDecode, with the
+// buffers, checks and bytes of ffi/onebit.cc. The targets, bodies, sizes and
+// checks in ffi/include/jaxcomp/onebit.h; twin in jaxcomp/codecs/onebit.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -62,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // The bits are written one byte per thread, so only the input needs the
 // alignment check.
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int64_t bucket, uint8_t* bits, float* means) {
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* bits, float* means, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
@@ -83,8 +82,8 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-void decode(cudaStream_t stream, DType dt, const uint8_t* bits, const float* means, int64_t n, int64_t bucket,
-            void* out) {
+void decode(cudaStream_t stream, DType dt, const uint8_t* bits, const float* means, int64_t n, void* out,
+            int64_t bucket) {
   with_type(dt, [&](auto tag) {
     auto* o = static_cast<decltype(tag)*>(out);
     onebit_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(bits, means, o, n, log2_int(bucket / 8), aligned16(o));
@@ -94,11 +93,9 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* bits, const float* mea
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cuda_runtime.cuh), the bits being the codes
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
-constexpr char kEncode[] = "jaxcomp_onebit_encode";
-constexpr char kDecode[] = "jaxcomp_onebit_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, encode>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, decode>));
+using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kOnebitEncode, Handlers::encode<check_pair_encode<onebit_sizes>, encode>);
+JAXCOMP_REGISTER(kOnebitDecode, Handlers::decode<check_pair_decode<onebit_sizes, kBadMeans>, decode>);
 
 }  // namespace
 }  // namespace cuda

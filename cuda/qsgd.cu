@@ -1,7 +1,7 @@
-// QSGD on CUDA: the targets jaxcomp_qsgd_encode, jaxcomp_qsgd_decode and
-// jaxcomp_qsgd_decode_sum, with
-// the buffers, checks and bytes of ffi/qsgd.cc. Bodies, sizes and checks in
-// ffi/include/jaxcomp/qsgd.h; twin in jaxcomp/codecs/qsgd.py. Nothing is
+// QSGD on CUDA: the handlers of kQsgdEncode, kQsgdDecode and kQsgdDecodeSum,
+// with the buffers, checks and bytes of ffi/qsgd.cc. The targets, bodies,
+// sizes and checks in ffi/include/jaxcomp/qsgd.h; twin in
+// jaxcomp/codecs/qsgd.py. Nothing is
 // synchronized or copied to the host: the seed and the scales stay in device
 // memory.
 #include <cuda_runtime.h>
@@ -111,105 +111,58 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: encode and decode are the pair families' (cuda_runtime.cuh), one
+// tensor at a time; decode_sum sums the rows of one call
 // ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
-                      int64_t bucket, int64_t l2) {
-  const Batch b(x, seed, *packed, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = qsgd_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bits, bucket);
-  return launch_batch("jaxcomp_qsgd_encode", b, error, n, [&](int64_t i) {
-    const int64_t nb = num_buckets(n, bucket);
-    const Geometry g = geometry(bucket);
-    with_type(dt, [&](auto tag) {
-      using T = decltype(tag);
-      auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
-      const T* xd = b.at<const T>(0, i);
-      uint8_t* p = b.at<uint8_t>(2, i);
-      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits),
-                                                            b.at<const uint32_t>(1, i), p, b.at<float>(3, i),
-                                                            aligned16(xd) && aligned16(p));
-    });
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* packed,
+            float* scales, int64_t bits, int64_t bucket, int64_t l2) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
+    const T* xd = static_cast<const T*>(x);
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits), seed, packed, scales,
+                                                          aligned16(xd) && aligned16(packed));
   });
 }
 
-ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
-  const Batch b(packed, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = qsgd_check_decode(dt, n, b.count(0), b.count(1), bits, bucket);
-  return launch_batch("jaxcomp_qsgd_decode", b, error, n, [&](int64_t i) {
-    with_type(dt, [&](auto tag) {
-      const uint8_t* p = b.at<const uint8_t>(0, i);
-      auto* o = b.at<decltype(tag)>(2, i);
-      qsgd_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(p, b.at<const float>(1, i), o, n, log2_int(bucket / 8),
-                                                                  static_cast<int>(bits), aligned16(p) && aligned16(o));
-    });
+void decode(cudaStream_t stream, DType dt, const uint8_t* packed, const float* scales, int64_t n, void* out,
+            int64_t bits, int64_t bucket) {
+  with_type(dt, [&](auto tag) {
+    auto* o = static_cast<decltype(tag)*>(out);
+    const bool vec = aligned16(packed) && aligned16(o);
+    qsgd_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(packed, scales, o, n, log2_int(bucket / 8),
+                                                                static_cast<int>(bits), vec);
   });
 }
 
 ffi::Error DecodeSumImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
                          ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t bits, int64_t bucket) {
-  constexpr const char* op = "jaxcomp_qsgd_decode_sum";
-  const auto pd = packed.dimensions();
-  const auto sd = scales.dimensions();
-  if (pd.size() != 2 || sd.size() != 2 || pd[0] != sd[0] || out->dimensions().size() != 1)
-    return invalid(op, "expects codes [rows, bytes] and scales [rows, buckets] with the same rows, "
-                       "and a flat output");
-  const int64_t rows = pd[0];
-  const int64_t n = out->dimensions()[0];
-  if (const char* e = qsgd_check_decode(DType::kF32, n, pd[1], sd[1], bits, bucket)) return invalid(op, e);
+  const Stacked s(packed.dimensions(), scales.dimensions(), out->dimensions());
+  const int64_t rows = s.rows(), n = s.n();
+  if (const char* e = s.check(qsgd_check_decode(DType::kF32, n, s.bytes(), s.buckets(), bits, bucket)))
+    return invalid(e);
   if (n == 0) return ffi::Error::Success();
   if (rows == 0) {
     cudaMemsetAsync(out->typed_data(), 0, n * sizeof(float), stream);
-    return launched(op);
+    return launched();
   }
   const uint8_t* p = packed.typed_data();
   float* o = out->typed_data();
   // Rows start 16-byte aligned when the codes of a row are a multiple of 16 bytes.
-  const bool vec = aligned16(p) && aligned16(o) && pd[1] % 16 == 0;
-  qsgd_decode_sum_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(p, scales.typed_data(), o, n, rows, pd[1], sd[1],
-                                                                   log2_int(bucket / 8), static_cast<int>(bits), vec);
-  return launched(op);
+  const bool vec = aligned16(p) && aligned16(o) && s.bytes() % 16 == 0;
+  qsgd_decode_sum_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(p, scales.typed_data(), o, n, rows, s.bytes(),
+                                                                   s.buckets(), log2_int(bucket / 8),
+                                                                   static_cast<int>(bits), vec);
+  return launched();
 }
+
+using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kQsgdEncode, Handlers::encode<qsgd_check_encode, encode>);
+JAXCOMP_REGISTER(kQsgdDecode, Handlers::decode<qsgd_check_decode, decode>);
+JAXCOMP_REGISTER(kQsgdDecodeSum, DecodeSumImpl);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-// The symbols carry "Cuda" so that they can never be confused with the CPU
-// module's handlers of the same targets.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed codes
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket scale
-                                  .Attr<int64_t>("bits")          // 2, 3, 4 or 8
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("l2"));          // 1: L2 norm, 0: max norm
-JAXCOMP_REGISTER("jaxcomp_qsgd_encode", JaxcompCudaQsgdEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale
-                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompCudaQsgdDecode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaQsgdDecodeSum, jaxcomp::cuda::DecodeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes, [rows, bytes]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale, [rows, buckets]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // the rows' sum, flat float32
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_qsgd_decode_sum", JaxcompCudaQsgdDecodeSum);

@@ -1,7 +1,7 @@
-// Scaled sign on CUDA: the targets jaxcomp_signsgd_encode and
-// jaxcomp_signsgd_decode, with the buffers, checks and bytes of
-// ffi/signsgd.cc. Bodies, sizes and checks in ffi/include/jaxcomp/signsgd.h;
-// twin in jaxcomp/codecs/signsgd.py.
+// Scaled sign on CUDA: the handlers of kSignsgdEncode and kSignsgdDecode,
+// with the buffers, checks and bytes of ffi/signsgd.cc. The targets, bodies,
+// sizes and checks in ffi/include/jaxcomp/signsgd.h; twin in
+// jaxcomp/codecs/signsgd.py.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,8 +46,8 @@ __global__ void __launch_bounds__(kThreads)
 
 // The signs are written one byte per thread, so only the input needs the
 // alignment check.
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int64_t bucket, uint8_t* signs,
-            float* scales) {
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* signs, float* scales,
+            int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
@@ -68,8 +68,8 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-void decode(cudaStream_t stream, DType dt, const uint8_t* signs, const float* scales, int64_t n, int64_t bucket,
-            void* out) {
+void decode(cudaStream_t stream, DType dt, const uint8_t* signs, const float* scales, int64_t n, void* out,
+            int64_t bucket) {
   with_type(dt, [&](auto tag) {
     auto* o = static_cast<decltype(tag)*>(out);
     signsgd_decode_kernel<<<flat_blocks(n), kThreads, 0, stream>>>(signs, scales, o, n, log2_int(bucket / 8),
@@ -80,11 +80,9 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* signs, const float* sc
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cuda_runtime.cuh), the signs being the codes
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
-constexpr char kEncode[] = "jaxcomp_signsgd_encode";
-constexpr char kDecode[] = "jaxcomp_signsgd_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, signsgd_check_encode, encode>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, signsgd_check_decode, decode>));
+using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kSignsgdEncode, Handlers::encode<check_pair_encode<signsgd_sizes>, encode>);
+JAXCOMP_REGISTER(kSignsgdDecode, Handlers::decode<check_pair_decode<signsgd_sizes>, decode>);
 
 }  // namespace
 }  // namespace cuda

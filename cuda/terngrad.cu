@@ -1,7 +1,7 @@
-// TernGrad on CUDA: the targets jaxcomp_terngrad_encode and
-// jaxcomp_terngrad_decode, with the buffers, checks and bytes of
-// ffi/terngrad.cc. Bodies, sizes and checks in ffi/include/jaxcomp/terngrad.h;
-// twin in jaxcomp/codecs/terngrad.py. Encode is two launches on one stream: the
+// TernGrad on CUDA: the handlers of kTerngradEncode and kTerngradDecode, with
+// the buffers, checks and bytes of ffi/terngrad.cc. The targets, bodies, sizes
+// and checks in ffi/include/jaxcomp/terngrad.h; twin in
+// jaxcomp/codecs/terngrad.py. Encode is two launches on one stream: the
 // scales, then the base-3^5 bytes.
 #include <cuda_runtime.h>
 
@@ -52,6 +52,18 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* trits,
+            float* scales, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    const auto* xd = static_cast<const decltype(tag)*>(x);
+    terngrad_scales_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, scales);
+    terngrad_pack_kernel<<<item_blocks(base3_bytes(n)), kThreads, 0, stream>>>(xd, n, base3_bytes(n), log2_int(bucket),
+                                                                              scales, seed, trits);
+  });
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     terngrad_decode_kernel(const uint8_t* __restrict__ trits, const float* __restrict__ scales, T* __restrict__ out,
@@ -63,8 +75,8 @@ __global__ void __launch_bounds__(kThreads)
   });
 }
 
-void decode(cudaStream_t stream, DType dt, const uint8_t* trits, const float* scales, int64_t n, int64_t bucket,
-            void* out) {
+void decode(cudaStream_t stream, DType dt, const uint8_t* trits, const float* scales, int64_t n, void* out,
+            int64_t bucket) {
   with_type(dt, [&](auto tag) {
     terngrad_decode_kernel<<<item_blocks(n), kThreads, 0, stream>>>(trits, scales, static_cast<decltype(tag)*>(out), n,
                                                                     base3_bytes(n), log2_int(bucket));
@@ -72,41 +84,12 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* trits, const float* sc
 }
 
 // ---------------------------------------------------------------------------
-// Handlers: decode is the pair families' (cuda_runtime.cuh)
+// Handlers: the pair families' (cuda_runtime.cuh), the trits being the codes
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
-constexpr char kDecode[] = "jaxcomp_terngrad_decode";
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, terngrad_check_decode, decode>));
-
-ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
-  const Batch b(x, seed, *trits, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = terngrad_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket);
-  return launch_batch("jaxcomp_terngrad_encode", b, error, n, [&](int64_t i) {
-    const int64_t nb = num_buckets(n, bucket);
-    const Geometry g = geometry(bucket);
-    float* s = b.at<float>(3, i);
-    with_type(dt, [&](auto tag) {
-      const auto* xd = b.at<const decltype(tag)>(0, i);
-      terngrad_scales_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, s);
-      terngrad_pack_kernel<<<item_blocks(base3_bytes(n)), kThreads, 0, stream>>>(
-          xd, n, base3_bytes(n), log2_int(bucket), s, b.at<const uint32_t>(1, i), b.at<uint8_t>(2, i));
-    });
-  });
-}
+using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kTerngradEncode, Handlers::encode<terngrad_check_encode, encode>);
+JAXCOMP_REGISTER(kTerngradDecode, Handlers::decode<check_pair_decode<terngrad_sizes>, decode>);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTerngradEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words, on the device
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes, ceil(n/5)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
-                                  .Attr<int64_t>("bucket_size"));  // power of two
-JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompCudaTerngradEncode);

@@ -1,6 +1,6 @@
-// 3LC on CUDA (Lim, Andersen, Kaminsky, SysML 2019, section 3): the FFI
-// targets jaxcomp_threelc_encode and jaxcomp_threelc_decode, with the buffers,
-// checks and bytes of ffi/threelc.cc. Bodies, sizes and checks in
+// 3LC on CUDA (Lim, Andersen, Kaminsky, SysML 2019, section 3): the handlers
+// of kThreelcEncode and kThreelcDecode, with the buffers, checks and bytes of
+// ffi/threelc.cc. The targets, bodies, sizes and checks in
 // ffi/include/jaxcomp/threelc.h; twin in jaxcomp/codecs/threelc.py.
 //
 // Everything stays on the device and on XLA's stream; nothing synchronizes.
@@ -304,13 +304,12 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const uint8_t* b, con
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<ffi::U8> out,
                       ffi::ResultBuffer<ffi::F32> scale, ffi::ResultBuffer<ffi::S32> length,
                       ffi::ResultBuffer<ffi::U8> overflow, ffi::ResultBuffer<ffi::U8> work, int64_t sparsity_bits) {
-  const char* op = "jaxcomp_threelc_encode";
   const Batch b(x, *out, *scale, *length, *overflow, *work);
   const DType dt = dtype_of(x.element_type());
   const int64_t n = b.count(0), cap = b.count(1);
   if (const char* e = b.check(
           threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5))))
-    return invalid(op, e);
+    return invalid(e);
   const float s = threelc_sparsity(sparsity_bits);
   const ThreelcSizes sz = threelc_sizes(n, cap);
   const int64_t M = sz.bytes;
@@ -335,18 +334,17 @@ ffi::Error EncodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::ResultBuffer<f
     }
     finish_encode_kernel<<<1, 1, 0, stream>>>(w.total, cap, b.at<int32_t>(3, i), b.at<uint8_t>(4, i));
   }
-  return launched(op);
+  return launched();
 }
 
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> in, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
-  const char* op = "jaxcomp_threelc_decode";
   const Batch b(in, scale, length, overflow, *out, *work);
   const DType dt = dtype_of(out->element_type());
   const int64_t n = b.count(4), cap = b.count(0);
   if (const char* e = b.check(threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5))))
-    return invalid(op, e);
+    return invalid(e);
   const ThreelcSizes sz = threelc_sizes(n, cap);
   const int64_t M = sz.bytes;
   const int64_t sb = blocks_for(cap);
@@ -367,33 +365,12 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::U8> in, ffi::Buffer<
                                                                  b.at<T>(4, i), n, M);
     });
   }
-  return launched(op);
+  return launched();
 }
+
+JAXCOMP_REGISTER(kThreelcEncode, EncodeImpl);
+JAXCOMP_REGISTER(kThreelcDecode, DecodeImpl);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // stream, capacity bytes
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scale m, [1]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // length of the whole stream, [1]
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // overflow flag, [1]
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // work: bytes, control words, counters
-                                  .Attr<int64_t>("sparsity_bits"));  // float32 bits of s
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaThreelcDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // stream
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale, [1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // length, [1]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // overflow, [1]
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Ret<ffi::Buffer<ffi::U8>>());  // work
-
-JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompCudaThreelcEncode);
-JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompCudaThreelcDecode);

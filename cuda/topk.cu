@@ -1,7 +1,7 @@
 // TopK sparsification on the GPU (Renggli et al., "SparCML", SC19): the
-// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
-// sizes and checks of ffi/include/jaxcomp/topk.h, giving the CPU handlers'
-// bytes (ffi/topk.cc).
+// handlers of kTopkEncode and kTopkDecode. The targets, selection rules, sizes
+// and checks of ffi/include/jaxcomp/topk.h, giving the CPU handlers' bytes
+// (ffi/topk.cc).
 //
 // Whole-tensor mode: a radix select of the k-th largest key T, 8 bits per
 // round (4 rounds for float32 keys, 2 for 16-bit ones), each round a
@@ -332,23 +332,23 @@ void encode_whole(cudaStream_t stream, void* scratch, const W* x, int64_t n, int
 }
 
 // The entries of a batch run one after the other on the stream, so the
-// whole-tensor mode's scratch is allocated once and reused.
+// whole-tensor mode's scratch (the radix select's state, the tile counts) is
+// allocated once and reused.
 ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer x,
                       ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values, int64_t k,
                       int64_t bucket) {
-  const char* op = "jaxcomp_topk_encode";
   const Batch b(x, *indices, *values);
   const DType dt = dtype_of(x.element_type());
   const int ibytes = index_bytes(indices->element_type());
   const int64_t n = b.count(0);
   if (const char* e = b.check(topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket,
                                                 b.count(1), b.count(2))))
-    return invalid(op, e);
+    return invalid(e);
   if (n == 0) return ffi::Error::Success();
   void* mem = nullptr;
   if (bucket == 0) {
     std::optional<void*> allocated = scratch.Allocate(whole_scratch_bytes(n), 16);
-    if (!allocated.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
+    if (!allocated.has_value()) return ffi::Error::Internal("scratch allocation failed");
     mem = *allocated;
   }
   topk_with_types(dt, ibytes, [&](auto w, auto ix) {
@@ -364,23 +364,22 @@ ffi::Error EncodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
       }
     }
   });
-  return launched(op);
+  return launched();
 }
 
 // One malformed flag per entry of the batch, in scratch memory.
 ffi::Error DecodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer indices,
                       ffi::AnyBuffer values, ffi::Result<ffi::AnyBuffer> out, int64_t k, int64_t bucket) {
-  const char* op = "jaxcomp_topk_decode";
   const Batch b(indices, values, *out);
   const DType dt = dtype_of(out->element_type());
   const int ibytes = index_bytes(indices.element_type());
   const int64_t n = b.count(2), entries = b.count(0);
   if (const char* e = b.check(topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries,
                                                 b.count(1))))
-    return invalid(op, e);
+    return invalid(e);
   if (n == 0) return ffi::Error::Success();
   std::optional<void*> allocated = scratch.Allocate(static_cast<size_t>(b.size()) * sizeof(uint32_t), 16);
-  if (!allocated.has_value()) return ffi::Error::Internal(std::string(op) + ": scratch allocation failed");
+  if (!allocated.has_value()) return ffi::Error::Internal("scratch allocation failed");
   uint32_t* bad = static_cast<uint32_t*>(*allocated);
   cudaMemsetAsync(bad, 0, static_cast<size_t>(b.size()) * sizeof(uint32_t), stream);
   topk_with_types(dt, ibytes, [&](auto w, auto ix) {
@@ -397,32 +396,12 @@ ffi::Error DecodeImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::A
             b.at<const I>(0, i), b.at<const W>(1, i), entries, n, k, bucket, bad + i, b.at<W>(2, i));
     }
   });
-  return launched(op);
+  return launched();
 }
+
+JAXCOMP_REGISTER(kTopkEncode, EncodeImpl);
+JAXCOMP_REGISTER(kTopkDecode, DecodeImpl);
 
 }  // namespace
 }  // namespace cuda
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkEncode, jaxcomp::cuda::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()  // radix-select state, tile counts
-                                  .Arg<ffi::AnyBuffer>()         // x: flat f32/bf16/f16
-                                  .Ret<ffi::AnyBuffer>()         // indices: u8/u16/u32, ascending
-                                  .Ret<ffi::AnyBuffer>()         // values: x's dtype
-                                  .Attr<int64_t>("k")                 // total (bucket 0) or per bucket
-                                  .Attr<int64_t>("bucket_size"));      // 0: whole tensor
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCudaTopkDecode, jaxcomp::cuda::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()  // malformed flags, one per entry
-                                  .Arg<ffi::AnyBuffer>()  // indices
-                                  .Arg<ffi::AnyBuffer>()  // values
-                                  .Ret<ffi::AnyBuffer>()  // flat output, values' dtype
-                                  .Attr<int64_t>("k")
-                                  .Attr<int64_t>("bucket_size"));
-
-JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompCudaTopkEncode);
-JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompCudaTopkDecode);

@@ -1,5 +1,5 @@
-// Float casts on the CPU (the Cast codec's encode and decode): the target
-// jaxcomp_cast. Conversions and checks in include/jaxcomp/cast.h; twin:
+// Float casts on the CPU (the Cast codec's encode and decode): the handler of
+// kCast. The target, conversions and checks in include/jaxcomp/cast.h; twin:
 // astype (jaxcomp/codecs/cast.py).
 #include <cstdint>
 
@@ -40,18 +40,13 @@ ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   const DType from = dtype_of(x.element_type()), to = dtype_of(y->element_type());
   const int64_t n = b.count(0);
   hint_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
-  return run_batch(pool, "jaxcomp_cast", b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i, Runner& runner) {
+  return run_batch(pool, b, cast_check(from, to, n, b.count(1)), n, [&](int64_t i, Runner& runner) {
     const CastArgs a{from, to, b.at<void>(0, i), b.at<void>(1, i)};
     parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) { cast_range(a, i0, i1); });
   });
 }
 
+JAXCOMP_REGISTER(kCast, CastImpl);
+
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompCast, jaxcomp::CastImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x
-                                  .Ret<ffi::AnyBuffer>());        // x converted, round to nearest even
-JAXCOMP_REGISTER("jaxcomp_cast", JaxcompCast);

@@ -158,11 +158,11 @@ JC_AVX2 inline float tree_sum(__m256* v, int nv) {
 }  // namespace jaxcomp
 
 // ---------------------------------------------------------------------------
-// The CPU handlers of the pair families (handler.h). A family names its op,
-// its check and the function that runs one tensor (usually its bucket loop
-// through encode_buckets/decode_buckets), and registers the result:
-//   JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode,
-//                                               Handlers::decode_buckets<decode_range>>));
+// The pair families' CPU handlers: handler.h's PairHandlers on the CPU, and
+// for the families whose function for one tensor is only their loop over its
+// buckets, that function:
+//   JAXCOMP_REGISTER(kInt8Decode,
+//                    Handlers::decode<check_pair_decode<int8_sizes>, Handlers::decode_buckets<decode_range>>);
 // ---------------------------------------------------------------------------
 namespace jaxcomp {
 
@@ -189,60 +189,23 @@ struct PairDecodeArgs {
 };
 
 template <ffi::DataType kCodes, ffi::DataType kSide>
-struct PairHandlers {
+struct CpuPairHandlers : PairHandlers<CpuPlatform, kCodes, kSide> {
   using Codes = ffi::NativeType<kCodes>;
   using Side = ffi::NativeType<kSide>;
   using EncodeArgs = PairEncodeArgs<Codes, Side>;
   using DecodeArgs = PairDecodeArgs<Codes, Side>;
-  // One tensor of n elements, x -> (codes, side) and back.
-  using Encode = void (*)(Runner&, DType, const void* x, int64_t n, int bucket, Codes*, Side*);
-  using Decode = void (*)(Runner&, DType, const Codes*, const Side*, int64_t n, int bucket, void* out);
 
   // The loops over the buckets [b0, b1) of one tensor, run over all its
-  // buckets by for_buckets: for families whose Encode and Decode are only that.
+  // buckets by for_buckets; bucket_size is the only attribute.
   template <void (*kLoop)(const EncodeArgs&, int64_t, int64_t)>
-  static void encode_buckets(Runner& r, DType dt, const void* x, int64_t n, int bucket, Codes* codes, Side* side) {
-    for_buckets(r, EncodeArgs{dt, x, n, bucket, codes, side}, kLoop);
+  static void encode_buckets(Runner& r, DType dt, const void* x, int64_t n, Codes* codes, Side* side, int64_t bucket) {
+    for_buckets(r, EncodeArgs{dt, x, n, static_cast<int>(bucket), codes, side}, kLoop);
   }
 
   template <void (*kLoop)(const DecodeArgs&, int64_t, int64_t)>
-  static void decode_buckets(Runner& r, DType dt, const Codes* codes, const Side* side, int64_t n, int bucket,
-                             void* out) {
-    for_buckets(r, DecodeArgs{dt, out, n, bucket, codes, side}, kLoop);
-  }
-
-  template <const char* kOp, PairCheck kCheck, Encode kEncode>
-  static ffi::Error encode_impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<kCodes> codes,
-                                ffi::ResultBuffer<kSide> side, int64_t bucket) {
-    const Batch<3> b(x, *codes, *side);
-    const DType dt = dtype_of(x.element_type());
-    const int64_t n = b.count(0);
-    hint_huge_pages(codes->untyped_data(), static_cast<int64_t>(codes->size_bytes()));
-    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(1), b.count(2), bucket), n, [&](int64_t i, Runner& r) {
-      kEncode(r, dt, b.at<void>(0, i), n, static_cast<int>(bucket), b.at<Codes>(1, i), b.at<Side>(2, i));
-    });
-  }
-
-  template <const char* kOp, PairCheck kCheck, Decode kDecode>
-  static ffi::Error decode_impl(ffi::ThreadPool pool, ffi::Buffer<kCodes> codes, ffi::Buffer<kSide> side,
-                                ffi::Result<ffi::AnyBuffer> out, int64_t bucket) {
-    const Batch<3> b(codes, side, *out);
-    const DType dt = dtype_of(out->element_type());
-    const int64_t n = b.count(2);
-    hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-    return run_batch(pool, kOp, b, kCheck(dt, n, b.count(0), b.count(1), bucket), n, [&](int64_t i, Runner& r) {
-      kDecode(r, dt, b.at<Codes>(0, i), b.at<Side>(1, i), n, static_cast<int>(bucket), b.at<void>(2, i));
-    });
-  }
-
-  template <const char* kOp, PairCheck kCheck, Encode kEncode>
-  static XLA_FFI_Error* encode(XLA_FFI_CallFrame* frame) {
-    return pair_encode_handler<ffi::ThreadPool, kCodes, kSide, encode_impl<kOp, kCheck, kEncode>>(frame);
-  }
-
-  template <const char* kOp, PairCheck kCheck, Decode kDecode>
-  static XLA_FFI_Error* decode(XLA_FFI_CallFrame* frame) {
-    return pair_decode_handler<ffi::ThreadPool, kCodes, kSide, decode_impl<kOp, kCheck, kDecode>>(frame);
+  static void decode_buckets(Runner& r, DType dt, const Codes* codes, const Side* side, int64_t n, void* out,
+                             int64_t bucket) {
+    for_buckets(r, DecodeArgs{dt, out, n, static_cast<int>(bucket), codes, side}, kLoop);
   }
 };
 

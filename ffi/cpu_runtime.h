@@ -208,12 +208,24 @@ class PoolRunner final : public Runner {
 // family's check (`error`: nullptr when they do); then run(i, runner) runs
 // entry i, of `work` elements, for every entry (for_each_item).
 template <size_t N, typename Run>
-ffi::Error run_batch(ffi::ThreadPool& pool, const char* op, const Batch<N>& batch, const char* error, int64_t work,
-                     const Run& run) {
-  if (const char* e = batch.check(error)) return invalid(op, e);
+ffi::Error run_batch(ffi::ThreadPool& pool, const Batch<N>& batch, const char* error, int64_t work, const Run& run) {
+  if (const char* e = batch.check(error)) return invalid(e);
   PoolRunner runner(pool);
   for_each_item(runner, batch.size(), work, run);
   return ffi::Error::Success();
 }
+
+// The CPU as handler.h's PairHandlers see it: the families' functions run on
+// a Runner, and a large result is hinted to huge pages first.
+struct CpuPlatform {
+  using Context = ffi::ThreadPool;
+  using Work = Runner&;
+  static void hint(void* data, size_t bytes) { hint_huge_pages(data, static_cast<int64_t>(bytes)); }
+  template <size_t N, typename Run>
+  static ffi::Error run(ffi::ThreadPool& pool, const Batch<N>& batch, const char* error, int64_t work,
+                        const Run& run) {
+    return run_batch(pool, batch, error, work, run);
+  }
+};
 
 }  // namespace jaxcomp

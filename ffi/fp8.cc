@@ -1,5 +1,5 @@
-// FP8 on the CPU: the targets jaxcomp_fp8_encode and jaxcomp_fp8_decode.
-// Rounding in include/jaxcomp/minifloat.h, sizes and checks in
+// FP8 on the CPU: the handlers of kFp8Encode and kFp8Decode. Rounding in
+// include/jaxcomp/minifloat.h, the targets, sizes and checks in
 // include/jaxcomp/fp8.h; twin in jaxcomp/codecs/fp8.py.
 #include <algorithm>
 #include <cstdint>
@@ -66,6 +66,14 @@ JC_CPU_LOOP void encode_range(const EncodeArgs& a, int64_t b0, int64_t b1) {
   encode_t<kE4M3, false>(a, b0, b1);
 }
 
+// One tensor, for the handlers.
+void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* codes, float* scales,
+            int64_t bucket, int64_t format, int64_t stochastic) {
+  const EncodeArgs a{dt,     x,      n,     static_cast<int>(bucket), static_cast<int>(format), stochastic != 0,
+                     key[0], key[1], codes, scales};
+  for_buckets(runner, a, encode_range);
+}
+
 template <int FMT, typename T>
 void decode_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
   const MiniFormat f = mini_format(FMT);
@@ -97,55 +105,18 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
   });
 }
 
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket,
-                      int64_t format, int64_t stochastic) {
-  const Batch b(x, seed, *codes, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = fp8_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, format, stochastic);
-  return run_batch(pool, "jaxcomp_fp8_encode", b, error, n, [&](int64_t i, Runner& runner) {
-    const uint32_t* key = b.at<uint32_t>(1, i);
-    const EncodeArgs a{dt,        b.at<void>(0, i), n,       static_cast<int>(bucket), static_cast<int>(format),
-                       stochastic != 0, key[0],     key[1], b.at<uint8_t>(2, i),     b.at<float>(3, i)};
-    for_buckets(runner, a, encode_range);
-  });
+void decode(Runner& runner, DType dt, const uint8_t* codes, const float* scales, int64_t n, void* out, int64_t bucket,
+            int64_t format) {
+  for_buckets(runner, DecodeArgs{dt, out, n, static_cast<int>(bucket), static_cast<int>(format), codes, scales},
+              decode_range);
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bucket, int64_t format) {
-  const Batch b(codes, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = fp8_check_decode(dt, n, b.count(0), b.count(1), bucket, format);
-  return run_batch(pool, "jaxcomp_fp8_decode", b, error, n, [&](int64_t i, Runner& runner) {
-    const DecodeArgs a{dt, b.at<void>(2, i), n, static_cast<int>(bucket), static_cast<int>(format),
-                       b.at<uint8_t>(0, i), b.at<float>(1, i)};
-    for_buckets(runner, a, decode_range);
-  });
-}
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kFp8Encode, Handlers::encode<fp8_check_encode, encode>);
+JAXCOMP_REGISTER(kFp8Decode, Handlers::decode<fp8_check_decode, decode>);
 
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompFp8Encode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element (padded)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // max|v| per block
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("format")        // 0: e4m3, 1: e5m2
-                                  .Attr<int64_t>("stochastic"));  // 1: stochastic, 0: nearest even
-JAXCOMP_REGISTER("jaxcomp_fp8_encode", JaxcompFp8Encode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompFp8Decode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()   // codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // max|v| per block
-                                  .Ret<ffi::AnyBuffer>()         // flat output, the input's dtype
-                                  .Attr<int64_t>("bucket_size")
-                                  .Attr<int64_t>("format"));
-JAXCOMP_REGISTER("jaxcomp_fp8_decode", JaxcompFp8Decode);

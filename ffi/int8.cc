@@ -1,5 +1,5 @@
-// Int8 on the CPU: the targets jaxcomp_int8_encode and jaxcomp_int8_decode.
-// Bodies, sizes and checks in include/jaxcomp/int8.h; twin in
+// Int8 on the CPU: the handlers of kInt8Encode and kInt8Decode. The targets,
+// bodies, sizes and checks in include/jaxcomp/int8.h; twin in
 // jaxcomp/codecs/int8.py.
 #include <algorithm>
 #include <cstdint>
@@ -12,7 +12,7 @@
 namespace jaxcomp {
 namespace {
 
-using Handlers = PairHandlers<ffi::S8, ffi::F32>;
+using Handlers = CpuPairHandlers<ffi::S8, ffi::F32>;
 
 // ---------------------------------------------------------------------------
 // Kernels: the buckets [b0, b1) of one tensor
@@ -49,10 +49,8 @@ JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t
 // Handlers: the pair families' (cpu_buckets.h), q being the codes and the
 // scales the side data
 // ---------------------------------------------------------------------------
-constexpr char kEncode[] = "jaxcomp_int8_encode";
-constexpr char kDecode[] = "jaxcomp_int8_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, int8_check_encode, Handlers::encode_buckets<encode_range>>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, int8_check_decode, Handlers::decode_buckets<decode_range>>));
+JAXCOMP_REGISTER(kInt8Encode, Handlers::encode<check_pair_encode<int8_sizes>, Handlers::encode_buckets<encode_range>>);
+JAXCOMP_REGISTER(kInt8Decode, Handlers::decode<check_pair_decode<int8_sizes>, Handlers::decode_buckets<decode_range>>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -1,6 +1,6 @@
-// MX on the CPU: the targets jaxcomp_mx_encode and jaxcomp_mx_decode.
-// Rounding and the E8M0 scale in include/jaxcomp/minifloat.h, packing, sizes
-// and checks in include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
+// MX on the CPU: the handlers of kMxEncode and kMxDecode. Rounding and the
+// E8M0 scale in include/jaxcomp/minifloat.h, the targets, packing, sizes and
+// checks in include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -277,6 +277,13 @@ void encode_body(const EncodeArgs& a, int64_t b0, int64_t b1) {
 
 JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_body)
 
+// One tensor, for the handlers.
+void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* codes, uint8_t* scales,
+            int64_t format, int64_t stochastic) {
+  const EncodeArgs a{dt, x, n, kMxBlock, static_cast<int>(format), stochastic != 0, key[0], key[1], codes, scales};
+  for_buckets(runner, a, encode_range);
+}
+
 // The codes of one block, unpacked one per byte (bits a constant: the loops
 // vectorize).
 template <int BITS>
@@ -357,53 +364,17 @@ void decode_body(const DecodeArgs& a, int64_t b0, int64_t b1) {
 
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_body)
 
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> scales, int64_t format,
-                      int64_t stochastic) {
-  const Batch b(x, seed, *codes, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = mx_check_encode(dt, n, b.count(1), b.count(2), b.count(3), format, stochastic);
-  return run_batch(pool, "jaxcomp_mx_encode", b, error, n, [&](int64_t i, Runner& runner) {
-    const uint32_t* key = b.at<uint32_t>(1, i);
-    const EncodeArgs a{dt,     b.at<void>(0, i), n,      kMxBlock,            static_cast<int>(format),
-                       stochastic != 0, key[0],  key[1], b.at<uint8_t>(2, i), b.at<uint8_t>(3, i)};
-    for_buckets(runner, a, encode_range);
-  });
+void decode(Runner& runner, DType dt, const uint8_t* codes, const uint8_t* scales, int64_t n, void* out,
+            int64_t format) {
+  for_buckets(runner, DecodeArgs{dt, out, n, kMxBlock, static_cast<int>(format), codes, scales}, decode_range);
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> codes, ffi::Buffer<ffi::U8> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t format) {
-  const Batch b(codes, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = mx_check_decode(dt, n, b.count(0), b.count(1), format);
-  return run_batch(pool, "jaxcomp_mx_decode", b, error, n, [&](int64_t i, Runner& runner) {
-    const DecodeArgs a{dt, b.at<void>(2, i), n, kMxBlock, static_cast<int>(format),
-                       b.at<uint8_t>(0, i), b.at<uint8_t>(1, i)};
-    for_buckets(runner, a, decode_range);
-  });
-}
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+using Handlers = CpuPairHandlers<ffi::U8, ffi::U8>;
+JAXCOMP_REGISTER(kMxEncode, Handlers::encode<mx_check_encode, encode>);
+JAXCOMP_REGISTER(kMxDecode, Handlers::decode<mx_check_decode, decode>);
 
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMxEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed element codes
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one E8M0 scale per block of 32
-                                  .Attr<int64_t>("format")        // element format, minifloat.h
-                                  .Attr<int64_t>("stochastic"));  // 1: stochastic, 0: nearest even
-JAXCOMP_REGISTER("jaxcomp_mx_encode", JaxcompMxEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompMxDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // packed element codes
-                                  .Arg<ffi::Buffer<ffi::U8>>()  // E8M0 scales
-                                  .Ret<ffi::AnyBuffer>()        // flat output, the input's dtype
-                                  .Attr<int64_t>("format"));
-JAXCOMP_REGISTER("jaxcomp_mx_decode", JaxcompMxDecode);

@@ -1,5 +1,5 @@
-// Natural compression on the CPU: the targets jaxcomp_natural_encode and
-// jaxcomp_natural_decode. Bodies, sizes and checks in
+// Natural compression on the CPU: the handlers of kNaturalEncode and
+// kNaturalDecode. The targets, bodies, sizes and checks in
 // include/jaxcomp/natural.h; twin in jaxcomp/codecs/natural.py.
 #include <algorithm>
 #include <cstdint>
@@ -26,8 +26,8 @@ struct EncodeArgs {
   uint8_t* tops;
 };
 
-using Handlers = PairHandlers<ffi::U8, ffi::U8>;  // decode only: encode takes a seed
-using DecodeArgs = Handlers::DecodeArgs;           // side: the tops
+using Handlers = CpuPairHandlers<ffi::U8, ffi::U8>;  // side: the tops
+using DecodeArgs = Handlers::DecodeArgs;
 
 template <typename T, bool STOCHASTIC>
 void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
@@ -36,7 +36,7 @@ void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
   const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
   // Codes in 32-bit lanes first, then narrowed in a loop of their own: mixing
-  // the widths in one loop spills registers and halves the speed.
+  // the widths in one loop spills registers (docs/benchmarks.md).
   std::vector<uint32_t> wide(B);
   uint32_t* w = wide.data();
   for (int64_t b = b0; b < b1; ++b) {
@@ -95,38 +95,19 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t b0, int64_t b1) {
   });
 }
 
-// ---------------------------------------------------------------------------
-// Handlers: decode is the pair families' (cpu_buckets.h)
-// ---------------------------------------------------------------------------
-constexpr char kDecode[] = "jaxcomp_natural_decode";
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, natural_check_decode, Handlers::decode_buckets<decode_range>>));
-
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> codes, ffi::ResultBuffer<ffi::U8> tops, int64_t bucket,
-                      int64_t stochastic) {
-  const Batch b(x, seed, *codes, *tops);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = natural_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket, stochastic);
-  hint_huge_pages(codes->typed_data(), codes->element_count());
-  return run_batch(pool, "jaxcomp_natural_encode", b, error, n, [&](int64_t i, Runner& runner) {
-    const uint32_t* key = b.at<uint32_t>(1, i);
-    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), stochastic != 0, key[0], key[1],
-                       b.at<uint8_t>(2, i), b.at<uint8_t>(3, i)};
-    for_buckets(runner, a, encode_range);
-  });
+// One tensor, for the pair families' handlers.
+void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* codes, uint8_t* tops,
+            int64_t bucket, int64_t stochastic) {
+  for_buckets(runner, EncodeArgs{dt, x, n, static_cast<int>(bucket), stochastic != 0, key[0], key[1], codes, tops},
+              encode_range);
 }
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h)
+// ---------------------------------------------------------------------------
+JAXCOMP_REGISTER(kNaturalEncode, Handlers::encode<natural_check_encode, encode>);
+JAXCOMP_REGISTER(kNaturalDecode,
+                 Handlers::decode<check_pair_decode<natural_sizes, kBadTops>, Handlers::decode_buckets<decode_range>>);
 
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompNaturalEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // one code per element
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // per-bucket top exponent
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("stochastic"));  // 1: unbiased, 0: nearest
-JAXCOMP_REGISTER("jaxcomp_natural_encode", JaxcompNaturalEncode);

@@ -1,6 +1,6 @@
-// 1-bit SGD on the CPU: the targets jaxcomp_onebit_encode and
-// jaxcomp_onebit_decode. Bodies, sizes and checks in include/jaxcomp/onebit.h;
-// twin in jaxcomp/codecs/onebit.py.
+// 1-bit SGD on the CPU: the handlers of kOnebitEncode and kOnebitDecode. The
+// targets, bodies, sizes and checks in include/jaxcomp/onebit.h; twin in
+// jaxcomp/codecs/onebit.py.
 //
 // Full float32 buckets take hand-written AVX2 paths on CPUs that have AVX2:
 // the same compares and the same halving-tree order as the portable loops,
@@ -19,14 +19,14 @@ namespace {
 // ---------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 using EncodeArgs = Handlers::EncodeArgs;  // codes: the bits; side: (avg+, avg-) per bucket
 using DecodeArgs = Handlers::DecodeArgs;
 
 #if JC_CPU_AVX2
 // The bucket routines stay out of line: inlined into the flattened loop they
-// raise its register pressure (OneBit's encode lost 8% with 64-element
-// buckets), and one call per bucket costs nothing measurable.
+// raise its register pressure, which costs more than one call per bucket
+// (docs/benchmarks.md).
 namespace avx2 {
 
 // Encode of one full float32 bucket.
@@ -124,10 +124,10 @@ JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_body)
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h), the bits being the codes
 // ---------------------------------------------------------------------------
-constexpr char kEncode[] = "jaxcomp_onebit_encode";
-constexpr char kDecode[] = "jaxcomp_onebit_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, onebit_check_encode, Handlers::encode_buckets<encode_range>>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, onebit_check_decode, Handlers::decode_buckets<decode_range>>));
+JAXCOMP_REGISTER(kOnebitEncode,
+                 Handlers::encode<check_pair_encode<onebit_sizes>, Handlers::encode_buckets<encode_range>>);
+JAXCOMP_REGISTER(kOnebitDecode,
+                 Handlers::decode<check_pair_decode<onebit_sizes, kBadMeans>, Handlers::decode_buckets<decode_range>>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -1,7 +1,6 @@
-// QSGD on the CPU: the targets jaxcomp_qsgd_encode, jaxcomp_qsgd_decode and
-// jaxcomp_qsgd_decode_sum.
-// Bodies, sizes and checks in include/jaxcomp/qsgd.h; twin in
-// jaxcomp/codecs/qsgd.py.
+// QSGD on the CPU: the handlers of kQsgdEncode, kQsgdDecode and
+// kQsgdDecodeSum. The targets, bodies, sizes and checks in
+// include/jaxcomp/qsgd.h; twin in jaxcomp/codecs/qsgd.py.
 //
 // The loops run over whole buckets, branch-free so that they vectorize, in
 // the twin's order of floating-point operations. Full float32 buckets take
@@ -240,20 +239,27 @@ inline void decode_bucket_f32(const uint8_t* in, float scale, int B, uint8_t* co
   for (int i = 0; i < B; ++i) out[i] = canonical_nan(qsgd_value(codes[i], step, BITS));
 }
 
+// The scratch of decode_bucket_f32's callers: one bucket's codes, and its
+// values where they do not go straight to the output.
+struct DecodeScratch {
+  explicit DecodeScratch(int B) : values(B), codes(B) {}
+  std::vector<float> values;
+  std::vector<uint8_t> codes;
+};
+
 template <int BITS, bool AVX2>
 void decode_buckets_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  std::vector<float> buf(B);
-  std::vector<uint8_t> codes(B);
+  DecodeScratch scratch(B);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
     const uint8_t* in = a.packed + b * (B / 8) * BITS;
-    // Full float32 buckets straight into the output; the rest through buf.
+    // Full float32 buckets straight into the output; the rest through the scratch.
     const bool direct = a.dtype == DType::kF32 && valid == B;
-    float* dst = direct ? static_cast<float*>(a.out) + start : buf.data();
-    decode_bucket_f32<BITS, AVX2>(in, a.scales[b], B, codes.data(), dst);
-    if (!direct) cpu::store_any(a.dtype, buf.data(), start, valid, a.out);
+    float* dst = direct ? static_cast<float*>(a.out) + start : scratch.values.data();
+    decode_bucket_f32<BITS, AVX2>(in, a.scales[b], B, scratch.codes.data(), dst);
+    if (!direct) cpu::store_any(a.dtype, scratch.values.data(), start, valid, a.out);
   }
 }
 
@@ -271,7 +277,7 @@ void decode_buckets(const DecodeArgs& a, int64_t b0, int64_t b1) {
 // n values each (the chunks a device receives in a reduce-scatter), one
 // bucket at a time through a bucket-sized buffer, so that no row is ever
 // written out in full: out = ((row 0 + row 1) + row 2) + ..., every row
-// decoded as jaxcomp_qsgd_decode decodes it (no contraction: -ffp-contract=off).
+// decoded as the decode target decodes it (no contraction: -ffp-contract=off).
 struct DecodeSumArgs {
   float* out;
   int64_t n;
@@ -284,8 +290,8 @@ struct DecodeSumArgs {
 template <int BITS, bool AVX2>
 void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  std::vector<float> buf(B);
-  std::vector<uint8_t> codes(B);
+  DecodeScratch scratch(B);
+  const float* buf = scratch.values.data();
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
@@ -293,10 +299,10 @@ void decode_sum_buckets_t(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
     for (int64_t r = 0; r < a.rows; ++r) {
       const uint8_t* in = a.packed + r * a.row_bytes + b * (B / 8) * BITS;
       const bool direct = r == 0 && valid == B;  // row 0 of a full bucket: the output itself
-      float* dst = direct ? out : buf.data();
-      decode_bucket_f32<BITS, AVX2>(in, a.scales[r * a.row_buckets + b], B, codes.data(), dst);
+      float* dst = direct ? out : scratch.values.data();
+      decode_bucket_f32<BITS, AVX2>(in, a.scales[r * a.row_buckets + b], B, scratch.codes.data(), dst);
       if (r == 0) {
-        if (!direct) std::memcpy(out, buf.data(), static_cast<size_t>(valid) * sizeof(float));
+        if (!direct) std::memcpy(out, buf, static_cast<size_t>(valid) * sizeof(float));
       } else {
         for (int64_t i = 0; i < valid; ++i) out[i] += buf[i];
       }
@@ -321,55 +327,35 @@ JC_CPU_LOOP_WITH_AVX2_PATHS(decode_sum_range, DecodeSumArgs, decode_sum_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
 
 // ---------------------------------------------------------------------------
-// Handlers
+// Handlers: encode and decode are the pair families' (cpu_buckets.h), one
+// tensor at a time; decode_sum sums the rows of one call
 // ---------------------------------------------------------------------------
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> packed, ffi::ResultBuffer<ffi::F32> scales, int64_t bits,
-                      int64_t bucket, int64_t l2) {
-  const Batch b(x, seed, *packed, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = qsgd_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bits, bucket);
-  return run_batch(pool, "jaxcomp_qsgd_encode", b, error, n, [&](int64_t i, Runner& runner) {
-    const uint32_t* key = b.at<uint32_t>(1, i);
-    const EncodeArgs a{dt, b.at<void>(0, i), n, static_cast<int>(bucket), static_cast<int>(bits), l2 != 0, key[0],
-                       key[1], b.at<uint8_t>(2, i), b.at<float>(3, i)};
-    for_buckets(runner, a, encode_range);
-  });
+void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* packed, float* scales,
+            int64_t bits, int64_t bucket, int64_t l2) {
+  const EncodeArgs a{dt,     x,      n,      static_cast<int>(bucket), static_cast<int>(bits), l2 != 0,
+                     key[0], key[1], packed, scales};
+  for_buckets(runner, a, encode_range);
 }
 
-ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t bits, int64_t bucket) {
-  const Batch b(packed, scales, *out);
-  const DType dt = dtype_of(out->element_type());
-  const int64_t n = b.count(2);
-  const char* error = qsgd_check_decode(dt, n, b.count(0), b.count(1), bits, bucket);
-  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  return run_batch(pool, "jaxcomp_qsgd_decode", b, error, n, [&](int64_t i, Runner& runner) {
-    const DecodeArgs a{dt, b.at<void>(2, i), n, static_cast<int>(bucket), static_cast<int>(bits),
-                       b.at<uint8_t>(0, i), b.at<float>(1, i)};
-    for_buckets(runner, a, decode_range);
-  });
+void decode(Runner& runner, DType dt, const uint8_t* packed, const float* scales, int64_t n, void* out, int64_t bits,
+            int64_t bucket) {
+  for_buckets(runner, DecodeArgs{dt, out, n, static_cast<int>(bucket), static_cast<int>(bits), packed, scales},
+              decode_range);
 }
 
 ffi::Error DecodeSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::F32> scales,
                          ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t bits, int64_t bucket) {
-  constexpr const char* op = "jaxcomp_qsgd_decode_sum";
-  const auto pd = packed.dimensions();
-  const auto sd = scales.dimensions();
-  if (pd.size() != 2 || sd.size() != 2 || pd[0] != sd[0] || out->dimensions().size() != 1)
-    return invalid(op, "expects codes [rows, bytes] and scales [rows, buckets] with the same rows, "
-                       "and a flat output");
-  const int64_t rows = pd[0];
-  const int64_t n = out->dimensions()[0];
-  if (const char* e = qsgd_check_decode(DType::kF32, n, pd[1], sd[1], bits, bucket)) return invalid(op, e);
+  const Stacked s(packed.dimensions(), scales.dimensions(), out->dimensions());
+  const int64_t rows = s.rows(), n = s.n();
+  if (const char* e = s.check(qsgd_check_decode(DType::kF32, n, s.bytes(), s.buckets(), bits, bucket)))
+    return invalid(e);
   hint_huge_pages(out->typed_data(), static_cast<int64_t>(out->size_bytes()));
   if (rows == 0) {
     std::fill(out->typed_data(), out->typed_data() + n, 0.0f);
     return ffi::Error::Success();
   }
-  const DecodeSumArgs a{out->typed_data(), n,     static_cast<int>(bucket), static_cast<int>(bits),
-                        rows,              pd[1], sd[1],                    packed.typed_data(),
+  const DecodeSumArgs a{out->typed_data(), n,         static_cast<int>(bucket), static_cast<int>(bits),
+                        rows,              s.bytes(), s.buckets(),              packed.typed_data(),
                         scales.typed_data()};
   PoolRunner runner(pool);
   // The buckets per task of a plain decode, divided among the rows' work.
@@ -378,37 +364,10 @@ ffi::Error DecodeSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> packed, ffi:
   return ffi::Error::Success();
 }
 
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kQsgdEncode, Handlers::encode<qsgd_check_encode, encode>);
+JAXCOMP_REGISTER(kQsgdDecode, Handlers::decode<qsgd_check_decode, decode>);
+JAXCOMP_REGISTER(kQsgdDecodeSum, DecodeSumImpl);
+
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // packed codes
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket scale
-                                  .Attr<int64_t>("bits")          // 2, 3, 4 or 8
-                                  .Attr<int64_t>("bucket_size")   // power of two
-                                  .Attr<int64_t>("l2"));          // 1: L2 norm, 0: max norm
-JAXCOMP_REGISTER("jaxcomp_qsgd_encode", JaxcompQsgdEncode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale
-                                  .Ret<ffi::AnyBuffer>()          // flat output, input dtype
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_qsgd_decode", JaxcompQsgdDecode);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompQsgdDecodeSum, jaxcomp::DecodeSumImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // packed codes, [rows, bytes]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // per-bucket scale, [rows, buckets]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // the rows' sum, flat float32
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("bucket_size"));
-JAXCOMP_REGISTER("jaxcomp_qsgd_decode_sum", JaxcompQsgdDecodeSum);

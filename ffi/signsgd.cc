@@ -1,6 +1,6 @@
-// Scaled sign on the CPU: the targets jaxcomp_signsgd_encode and
-// jaxcomp_signsgd_decode. Bodies, sizes and checks in
-// include/jaxcomp/signsgd.h; twin in jaxcomp/codecs/signsgd.py.
+// Scaled sign on the CPU: the handlers of kSignsgdEncode and kSignsgdDecode.
+// The targets, bodies, sizes and checks in include/jaxcomp/signsgd.h; twin in
+// jaxcomp/codecs/signsgd.py.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,7 +13,7 @@
 namespace jaxcomp {
 namespace {
 
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 
 // ---------------------------------------------------------------------------
 // Kernels: the buckets [b0, b1) of one tensor
@@ -67,10 +67,10 @@ JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t
 // Handlers: the pair families' (cpu_buckets.h), the signs being the codes and
 // the scales the side data
 // ---------------------------------------------------------------------------
-constexpr char kEncode[] = "jaxcomp_signsgd_encode";
-constexpr char kDecode[] = "jaxcomp_signsgd_decode";
-JAXCOMP_REGISTER(kEncode, (Handlers::encode<kEncode, signsgd_check_encode, Handlers::encode_buckets<encode_range>>));
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, signsgd_check_decode, Handlers::decode_buckets<decode_range>>));
+JAXCOMP_REGISTER(kSignsgdEncode,
+                 Handlers::encode<check_pair_encode<signsgd_sizes>, Handlers::encode_buckets<encode_range>>);
+JAXCOMP_REGISTER(kSignsgdDecode,
+                 Handlers::decode<check_pair_decode<signsgd_sizes>, Handlers::decode_buckets<decode_range>>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -1,6 +1,6 @@
-// TernGrad on the CPU: the targets jaxcomp_terngrad_encode and
-// jaxcomp_terngrad_decode. Bodies, sizes and checks in
-// include/jaxcomp/terngrad.h; twin in jaxcomp/codecs/terngrad.py.
+// TernGrad on the CPU: the handlers of kTerngradEncode and kTerngradDecode.
+// The targets, bodies, sizes and checks in include/jaxcomp/terngrad.h; twin in
+// jaxcomp/codecs/terngrad.py.
 //
 // Encode is two passes: the scale of every bucket, then the base-3^5 bytes
 // (each byte reads one element of each of the five planes, from different
@@ -134,46 +134,27 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t e0, int64_t e1) {
   });
 }
 
-void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales, int64_t n, int bucket, void* out) {
-  const DecodeArgs a{dt, out, n, bucket, trits, scales};
-  parallel_for(runner, n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
-}
-
-void encode(Runner& runner, const EncodeArgs& a) {
+// One tensor, for the pair families' handlers (cpu_buckets.h).
+void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* trits, float* scales,
+            int64_t bucket) {
+  const EncodeArgs a{dt, x, n, static_cast<int>(bucket), key[0], key[1], trits, scales};
   for_buckets(runner, a, scales_range);
   parallel_for(runner, base3_bytes(a.n), kElementsPerTask / 5,
                [&](int64_t i0, int64_t i1) { pack_range(a, i0, i1); });
 }
 
-// ---------------------------------------------------------------------------
-// Handlers: decode is the pair families' (cpu_buckets.h)
-// ---------------------------------------------------------------------------
-using Handlers = PairHandlers<ffi::U8, ffi::F32>;
-constexpr char kDecode[] = "jaxcomp_terngrad_decode";
-JAXCOMP_REGISTER(kDecode, (Handlers::decode<kDecode, terngrad_check_decode, decode>));
-
-ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U32> seed,
-                      ffi::ResultBuffer<ffi::U8> trits, ffi::ResultBuffer<ffi::F32> scales, int64_t bucket) {
-  const Batch b(x, seed, *trits, *scales);
-  const DType dt = dtype_of(x.element_type());
-  const int64_t n = b.count(0);
-  const char* error = terngrad_check_encode(dt, n, b.count(1), b.count(2), b.count(3), bucket);
-  return run_batch(pool, "jaxcomp_terngrad_encode", b, error, n, [&](int64_t i, Runner& runner) {
-    const uint32_t* key = b.at<uint32_t>(1, i);
-    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, static_cast<int>(bucket), key[0], key[1], b.at<uint8_t>(2, i),
-                              b.at<float>(3, i)});
-  });
+void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales, int64_t n, void* out,
+            int64_t bucket) {
+  const DecodeArgs a{dt, out, n, static_cast<int>(bucket), trits, scales};
+  parallel_for(runner, n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
 }
+
+// ---------------------------------------------------------------------------
+// Handlers: the pair families' (cpu_buckets.h), the trits being the codes
+// ---------------------------------------------------------------------------
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
+JAXCOMP_REGISTER(kTerngradEncode, Handlers::encode<terngrad_check_encode, encode>);
+JAXCOMP_REGISTER(kTerngradDecode, Handlers::decode<check_pair_decode<terngrad_sizes>, decode>);
 
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTerngradEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Arg<ffi::Buffer<ffi::U32>>()   // seed: 2 words
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // base-3^5 bytes, ceil(n/5)
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // per-bucket max|x|
-                                  .Attr<int64_t>("bucket_size"));  // power of two
-JAXCOMP_REGISTER("jaxcomp_terngrad_encode", JaxcompTerngradEncode);

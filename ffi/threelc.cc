@@ -1,5 +1,5 @@
-// 3LC on the CPU (Lim, Andersen, Kaminsky, SysML 2019, section 3): the FFI
-// targets jaxcomp_threelc_encode and jaxcomp_threelc_decode. Bodies, sizes
+// 3LC on the CPU (Lim, Andersen, Kaminsky, SysML 2019, section 3): the
+// handlers of kThreelcEncode and kThreelcDecode. The targets, bodies, sizes
 // and checks in include/jaxcomp/threelc.h; twin in jaxcomp/codecs/threelc.py.
 //
 // Encode, each pass threaded:
@@ -320,7 +320,7 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<
   const int64_t n = b.count(0), cap = b.count(1);
   const char* error =
       threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5));
-  return run_batch(pool, "jaxcomp_threelc_encode", b, error, n, [&](int64_t i, Runner& runner) {
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
     encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, threelc_sparsity(sparsity_bits), b.at<uint8_t>(1, i), cap,
                               b.at<float>(2, i), b.at<int32_t>(3, i), b.at<uint8_t>(4, i), b.at<uint8_t>(5, i)});
   });
@@ -331,45 +331,23 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<
 ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Buffer<ffi::F32> scale,
                       ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::U8> overflow, ffi::Result<ffi::AnyBuffer> out,
                       ffi::ResultBuffer<ffi::U8> work) {
-  const char* op = "jaxcomp_threelc_decode";
   const Batch b(stream, scale, length, overflow, *out, *work);
   const DType dt = dtype_of(out->element_type());
   const int64_t n = b.count(4), cap = b.count(0);
   const char* error = threelc_check_decode(dt, n, cap, b.count(1), b.count(2), b.count(3), b.count(5));
   hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
   std::vector<std::string> corrupted(b.error() == nullptr && error == nullptr ? b.size() : 0);
-  const ffi::Error result = run_batch(pool, op, b, error, n, [&](int64_t i, Runner& runner) {
+  const ffi::Error result = run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
     corrupted[i] = decode(runner, DecodeArgs{dt, b.at<uint8_t>(0, i), cap, b.at<float>(1, i), b.at<int32_t>(2, i),
                                              b.at<uint8_t>(3, i), b.at<void>(4, i), n, b.at<uint8_t>(5, i)});
   });
   for (const std::string& why : corrupted)
-    if (!why.empty()) return invalid(op, why);
+    if (!why.empty()) return invalid(why);
   return result;
 }
 
+JAXCOMP_REGISTER(kThreelcEncode, EncodeImpl);
+JAXCOMP_REGISTER(kThreelcDecode, DecodeImpl);
+
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThreelcEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()          // x: flat f32/bf16/f16
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // stream, capacity bytes
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scale m, [1]
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // length of the whole stream, [1]
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // overflow flag, [1]
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // work: base-3^5 bytes (+ CUDA counters)
-                                  .Attr<int64_t>("sparsity_bits"));  // float32 bits of s
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompThreelcDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // stream
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // scale, [1]
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // length, [1]
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // overflow, [1]
-                                  .Ret<ffi::AnyBuffer>()          // flat output
-                                  .Ret<ffi::Buffer<ffi::U8>>());  // work: expanded base-3^5 bytes
-
-JAXCOMP_REGISTER("jaxcomp_threelc_encode", JaxcompThreelcEncode);
-JAXCOMP_REGISTER("jaxcomp_threelc_decode", JaxcompThreelcDecode);

@@ -1,7 +1,7 @@
 // TopK sparsification on the CPU (Renggli et al., "SparCML", SC19): the
-// targets jaxcomp_topk_encode and jaxcomp_topk_decode. The selection rules,
-// sizes and checks are include/jaxcomp/topk.h's; here they run without
-// sorting the tensor. Twin: jaxcomp/codecs/topk.py.
+// handlers of kTopkEncode and kTopkDecode. The targets, selection rules, sizes
+// and checks are include/jaxcomp/topk.h's; here they run without sorting the
+// tensor. Twin: jaxcomp/codecs/topk.py.
 //
 // Whole-tensor mode: a key bound from a sample, one pass collecting the
 // elements at or above it, and an exact selection among those
@@ -216,7 +216,7 @@ inline uint32_t block_hits<uint16_t>(const uint16_t* x, uint32_t bound) {
 // into f (indices) and fv (values); stops early once f holds more than
 // limit. Out of line on purpose: inlined into the task closure that
 // parallel_for hands the runner, the loop kept `hits` and `i` on the stack
-// and TopK's encode ran about 20% slower.
+// (the regression this fixed: docs/benchmarks.md).
 template <typename W>
 __attribute__((noinline)) void collect(const W* x, int64_t i0, int64_t i1, uint32_t bound, int64_t limit,
                                        size_t expect, std::vector<uint32_t>& f, std::vector<W>& fv) {
@@ -441,7 +441,7 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::A
   const int64_t n = b.count(0);
   const char* error =
       topk_check_encode(dt, dtype_of(values->element_type()), ibytes, n, k, bucket, b.count(1), b.count(2));
-  return run_batch(pool, "jaxcomp_topk_encode", b, error, n, [&](int64_t i, Runner& runner) {
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
     if (n == 0) return;
     topk_with_types(dt, ibytes, [&](auto w, auto ix) {
       using W = decltype(w);
@@ -459,7 +459,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuff
   const int64_t n = b.count(2), entries = b.count(0);
   const char* error = topk_check_decode(dt, dtype_of(values.element_type()), ibytes, n, k, bucket, entries, b.count(1));
   hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
-  return run_batch(pool, "jaxcomp_topk_decode", b, error, n, [&](int64_t i, Runner& runner) {
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
     if (n == 0) return;
     topk_with_types(dt, ibytes, [&](auto w, auto ix) {
       using W = decltype(w);
@@ -470,26 +470,8 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuff
   });
 }
 
+JAXCOMP_REGISTER(kTopkEncode, EncodeImpl);
+JAXCOMP_REGISTER(kTopkDecode, DecodeImpl);
+
 }  // namespace
 }  // namespace jaxcomp
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkEncode, jaxcomp::EncodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()     // x: flat f32/bf16/f16
-                                  .Ret<ffi::AnyBuffer>()     // indices: u8/u16/u32, ascending
-                                  .Ret<ffi::AnyBuffer>()     // values: x's dtype
-                                  .Attr<int64_t>("k")             // total (bucket 0) or per bucket
-                                  .Attr<int64_t>("bucket_size"));  // 0: whole tensor
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcompTopkDecode, jaxcomp::DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()     // indices
-                                  .Arg<ffi::AnyBuffer>()     // values
-                                  .Ret<ffi::AnyBuffer>()     // flat output, values' dtype
-                                  .Attr<int64_t>("k")
-                                  .Attr<int64_t>("bucket_size"));
-
-JAXCOMP_REGISTER("jaxcomp_topk_encode", JaxcompTopkEncode);
-JAXCOMP_REGISTER("jaxcomp_topk_decode", JaxcompTopkDecode);

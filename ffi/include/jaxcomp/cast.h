@@ -6,6 +6,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -18,5 +19,12 @@ inline const char* cast_check(DType from, DType to, int64_t n, int64_t out) {
   if (out != cast_size(n)) return "input and output sizes differ";
   return nullptr;
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The target of ffi/cast.cc and cuda/cast.cu (jaxcomp/registry.h):
+//   x -> x converted, round to nearest even (the output's dtype)
+inline constexpr Target kCast{"jaxcomp_cast"};
 
 }  // namespace jaxcomp

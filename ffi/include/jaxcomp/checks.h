@@ -24,7 +24,7 @@ constexpr const char* kBadOutputType = "output must be float32, bfloat16 or floa
 constexpr const char* kBadBucket = "bucket_size must be a power of two in [8, 65536]";
 constexpr const char* kTooManyInputs = "inputs are limited to 2^32 - 1 elements";
 constexpr const char* kBadPayload = "payload buffer has the wrong size";
-constexpr const char* kBadScales = "scale buffer has the wrong size";
+constexpr char kBadScales[] = "scale buffer has the wrong size";  // an array: a template argument below
 
 // A payload of a body (codes) and per-bucket side data (scales, means, tops)
 // against the element counts its layout gives.
@@ -51,6 +51,35 @@ inline const char* check_bucketed_output(DType out, int64_t bucket) {
   if (out == DType::kOther) return kBadOutputType;
   if (!valid_bucket(bucket)) return kBadBucket;
   return nullptr;
+}
+
+// ---------------------------------------------------------------------------
+// The pair families' checks: a payload of codes and per-bucket side data
+// (scales, means, tops), whose element counts for n elements in buckets of
+// `bucket` the family's sizes function gives, and bucket_size the only
+// attribute. A pair family's header defines the sizes; its handlers check
+// with check_pair_encode<sizes> and check_pair_decode<sizes>.
+// ---------------------------------------------------------------------------
+struct PairSizes {
+  int64_t codes;
+  int64_t side;
+};
+
+// x of n elements -> codes and side data.
+template <PairSizes (*kSizes)(int64_t n, int64_t bucket)>
+inline const char* check_pair_encode(DType x, int64_t n, int64_t codes, int64_t side, int64_t bucket) {
+  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
+  const PairSizes want = kSizes(n, bucket);
+  return check_payload(codes, want.codes, side, want.side);
+}
+
+// Codes and side data -> out of n elements; kBadSide: the error for side
+// data of the wrong size.
+template <PairSizes (*kSizes)(int64_t n, int64_t bucket), const char* kBadSide = kBadScales>
+inline const char* check_pair_decode(DType out, int64_t n, int64_t codes, int64_t side, int64_t bucket) {
+  if (const char* e = check_bucketed_output(out, bucket)) return e;
+  const PairSizes want = kSizes(n, bucket);
+  return check_payload(codes, want.codes, side, want.side, kBadSide);
 }
 
 }  // namespace jaxcomp

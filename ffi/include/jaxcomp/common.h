@@ -29,25 +29,22 @@ namespace jaxcomp {
 // ---------------------------------------------------------------------------
 // Bit casts.
 // ---------------------------------------------------------------------------
-JC_HD uint32_t f32_bits(float f) {
 #if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
+JC_HD uint32_t f32_bits(float f) { return __float_as_uint(f); }
+JC_HD float bits_f32(uint32_t u) { return __uint_as_float(u); }
 #else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
+// std::bit_cast (C++20): a copy of the object's bytes.
+template <typename To, typename From>
+inline To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "a bit cast keeps the size");
+  To to;
+  std::memcpy(&to, &from, sizeof to);
+  return to;
 }
 
-JC_HD float bits_f32(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+JC_HD uint32_t f32_bits(float f) { return bit_cast<uint32_t>(f); }
+JC_HD float bits_f32(uint32_t u) { return bit_cast<float>(u); }
 #endif
-}
 
 // ---------------------------------------------------------------------------
 // Counter-based random bits: a pure function of (k0, k1, element index).

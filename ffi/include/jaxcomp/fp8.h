@@ -6,6 +6,7 @@
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
 #include "jaxcomp/minifloat.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -45,5 +46,19 @@ inline const char* fp8_check_decode(DType out, int64_t n, int64_t codes, int64_t
   const Fp8Sizes want = fp8_sizes(n, bucket);
   return check_payload(codes, want.codes, scales, want.scales);
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/fp8.cc and cuda/fp8.cu (jaxcomp/registry.h). Their
+// handlers take the operands and results, then the attributes, in order:
+//   encode: x (flat f32/bf16/f16), seed (2 uint32 words)
+//           -> codes (one per element, whole buckets), scales (max|v| per bucket)
+inline constexpr Target kFp8Encode{"jaxcomp_fp8_encode",
+                                   "bucket_size",  // power of two
+                                   "format",       // 0: e4m3, 1: e5m2
+                                   "stochastic"};  // 1: stochastic, 0: nearest even
+//   decode: codes, scales -> flat output, the input's dtype
+inline constexpr Target kFp8Decode{"jaxcomp_fp8_decode", "bucket_size", "format"};
 
 }  // namespace jaxcomp

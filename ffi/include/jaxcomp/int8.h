@@ -7,6 +7,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -29,27 +30,22 @@ JC_HD float int8_value(int8_t q, float step) { return static_cast<float>(q) * st
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
 // Element counts of the payload of n elements: one int8 per element of every
-// bucket (the last one zero-padded) and one float32 scale per bucket.
-struct Int8Sizes {
-  int64_t q;
-  int64_t scales;
-};
-
-JC_HD Int8Sizes int8_sizes(int64_t n, int64_t bucket) {
+// bucket (the last one zero-padded) and one float32 scale per bucket. The
+// checks are the pair families' (checks.h) over these sizes.
+JC_HD PairSizes int8_sizes(int64_t n, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  return Int8Sizes{nb * bucket, nb};
+  return PairSizes{nb * bucket, nb};
 }
 
-inline const char* int8_check_encode(DType x, int64_t n, int64_t q, int64_t scales, int64_t bucket) {
-  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
-  const Int8Sizes want = int8_sizes(n, bucket);
-  return check_payload(q, want.q, scales, want.scales);
-}
-
-inline const char* int8_check_decode(DType out, int64_t n, int64_t q, int64_t scales, int64_t bucket) {
-  if (const char* e = check_bucketed_output(out, bucket)) return e;
-  const Int8Sizes want = int8_sizes(n, bucket);
-  return check_payload(q, want.q, scales, want.scales);
-}
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/int8.cc and cuda/int8.cu (jaxcomp/registry.h). Their
+// handlers take the operands and results, then the attributes, in order:
+//   encode: x (flat f32/bf16/f16) -> q, scales (int8_sizes)
+inline constexpr Target kInt8Encode{"jaxcomp_int8_encode",
+                                    "bucket_size"};  // power of two
+//   decode: q, scales -> flat output, the input's dtype
+inline constexpr Target kInt8Decode{"jaxcomp_int8_decode", "bucket_size"};
 
 }  // namespace jaxcomp

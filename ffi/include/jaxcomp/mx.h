@@ -7,6 +7,7 @@
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
 #include "jaxcomp/minifloat.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -69,5 +70,18 @@ inline const char* mx_check_decode(DType out, int64_t n, int64_t codes, int64_t 
   const MxSizes want = mx_sizes(n, mini_bits(mini_format(static_cast<int>(format))));
   return check_payload(codes, want.codes, scales, want.scales);
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/mx.cc and cuda/mx.cu (jaxcomp/registry.h). Their
+// handlers take the operands and results, then the attributes, in order:
+//   encode: x (flat f32/bf16/f16), seed (2 uint32 words)
+//           -> packed element codes, scales (one E8M0 byte per block of 32)
+inline constexpr Target kMxEncode{"jaxcomp_mx_encode",
+                                  "format",       // element format, minifloat.h
+                                  "stochastic"};  // 1: stochastic, 0: nearest even
+//   decode: codes, scales -> flat output, the input's dtype
+inline constexpr Target kMxDecode{"jaxcomp_mx_decode", "format"};
 
 }  // namespace jaxcomp

@@ -23,6 +23,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -110,27 +111,34 @@ JC_HD uint32_t natural_cap() {
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
 // Element counts of the payload of n elements: one code byte per element (no
-// padding) and one top exponent (uint8) per bucket.
-struct NaturalSizes {
-  int64_t codes;
-  int64_t tops;
-};
+// padding) and one top exponent (uint8) per bucket. The decoder's checks are
+// the pair families' (checks.h) over these sizes, kBadTops its error for tops
+// of the wrong size.
+JC_HD PairSizes natural_sizes(int64_t n, int64_t bucket) { return PairSizes{n, num_buckets(n, bucket)}; }
 
-JC_HD NaturalSizes natural_sizes(int64_t n, int64_t bucket) { return NaturalSizes{n, num_buckets(n, bucket)}; }
+inline constexpr char kBadTops[] = "tops buffer has the wrong size";
 
 inline const char* natural_check_encode(DType x, int64_t n, int64_t seed, int64_t codes, int64_t tops,
                                         int64_t bucket, int64_t stochastic) {
   if (const char* e = check_seed(seed)) return e;
   if (stochastic != 0 && stochastic != 1) return "stochastic must be 0 or 1";
   if (const char* e = check_bucketed_input(x, n, bucket)) return e;
-  const NaturalSizes want = natural_sizes(n, bucket);
-  return check_payload(codes, want.codes, tops, want.tops);
+  const PairSizes want = natural_sizes(n, bucket);
+  return check_payload(codes, want.codes, tops, want.side);
 }
 
-inline const char* natural_check_decode(DType out, int64_t n, int64_t codes, int64_t tops, int64_t bucket) {
-  if (const char* e = check_bucketed_output(out, bucket)) return e;
-  const NaturalSizes want = natural_sizes(n, bucket);
-  return check_payload(codes, want.codes, tops, want.tops, "tops buffer has the wrong size");
-}
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/natural.cc and cuda/natural.cu (jaxcomp/registry.h).
+// Their handlers take the operands and results, then the attributes, in
+// order:
+//   encode: x (flat f32/bf16/f16), seed (2 uint32 words)
+//           -> codes (one per element), tops (the top exponent of each bucket)
+inline constexpr Target kNaturalEncode{"jaxcomp_natural_encode",
+                                       "bucket_size",  // power of two
+                                       "stochastic"};  // 1: unbiased, 0: nearest
+//   decode: codes, tops -> flat output, the input's dtype
+inline constexpr Target kNaturalDecode{"jaxcomp_natural_decode", "bucket_size"};
 
 }  // namespace jaxcomp

@@ -9,6 +9,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -20,27 +21,26 @@ JC_HD float onebit_mean(float sum, uint32_t count) {
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
 // Element counts of the payload of n elements: one bit per element of every
-// bucket, packed (uint8), and (avg+, avg-) per bucket (float32).
-struct OnebitSizes {
-  int64_t bits;
-  int64_t means;
-};
-
-JC_HD OnebitSizes onebit_sizes(int64_t n, int64_t bucket) {
+// bucket, packed (uint8), and (avg+, avg-) per bucket (float32). The checks
+// are the pair families' (checks.h) over these sizes, kBadMeans the decoder's
+// error for means of the wrong size.
+JC_HD PairSizes onebit_sizes(int64_t n, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  return OnebitSizes{nb * bucket / 8, 2 * nb};
+  return PairSizes{nb * bucket / 8, 2 * nb};
 }
 
-inline const char* onebit_check_encode(DType x, int64_t n, int64_t bits, int64_t means, int64_t bucket) {
-  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
-  const OnebitSizes want = onebit_sizes(n, bucket);
-  return check_payload(bits, want.bits, means, want.means);
-}
+inline constexpr char kBadMeans[] = "means buffer has the wrong size";
 
-inline const char* onebit_check_decode(DType out, int64_t n, int64_t bits, int64_t means, int64_t bucket) {
-  if (const char* e = check_bucketed_output(out, bucket)) return e;
-  const OnebitSizes want = onebit_sizes(n, bucket);
-  return check_payload(bits, want.bits, means, want.means, "means buffer has the wrong size");
-}
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/onebit.cc and cuda/onebit.cu (jaxcomp/registry.h).
+// Their handlers take the operands and results, then the attributes, in
+// order:
+//   encode: x (flat f32/bf16/f16) -> bits, means ((avg+, avg-) per bucket)
+inline constexpr Target kOnebitEncode{"jaxcomp_onebit_encode",
+                                      "bucket_size"};  // power of two
+//   decode: bits, means -> flat output, the input's dtype
+inline constexpr Target kOnebitDecode{"jaxcomp_onebit_decode", "bucket_size"};
 
 }  // namespace jaxcomp

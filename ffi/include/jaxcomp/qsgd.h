@@ -9,6 +9,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -69,9 +70,10 @@ inline const char* qsgd_check_bits(int64_t bits) {
   return bits != 2 && bits != 3 && bits != 4 && bits != 8 ? "bits must be 2, 3, 4 or 8" : nullptr;
 }
 
-// x of n elements and its seed words -> packed codes and scales.
+// x of n elements and its seed words -> packed codes and scales. Any l2 is
+// valid (nonzero: the L2 norm).
 inline const char* qsgd_check_encode(DType x, int64_t n, int64_t seed, int64_t packed, int64_t scales, int64_t bits,
-                                     int64_t bucket) {
+                                     int64_t bucket, int64_t /*l2*/) {
   if (const char* e = qsgd_check_bits(bits)) return e;
   if (const char* e = check_seed(seed)) return e;
   if (const char* e = check_bucketed_input(x, n, bucket)) return e;
@@ -87,5 +89,22 @@ inline const char* qsgd_check_decode(DType out, int64_t n, int64_t packed, int64
   const QsgdSizes want = qsgd_sizes(n, bits, bucket);
   return check_payload(packed, want.packed, scales, want.scales);
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/qsgd.cc and cuda/qsgd.cu (jaxcomp/registry.h). Their
+// handlers take the operands and results, then the attributes, in order:
+//   encode: x (flat f32/bf16/f16), seed (2 uint32 words)
+//           -> packed codes, scales (one per bucket)
+inline constexpr Target kQsgdEncode{"jaxcomp_qsgd_encode",
+                                    "bits",         // 2, 3, 4 or 8
+                                    "bucket_size",  // power of two
+                                    "l2"};          // 1: L2 norm, 0: max norm
+//   decode: packed codes, scales -> flat output, the input's dtype
+inline constexpr Target kQsgdDecode{"jaxcomp_qsgd_decode", "bits", "bucket_size"};
+//   decode_sum: packed codes [rows, bytes], scales [rows, buckets]
+//               -> the rows' sum, flat float32
+inline constexpr Target kQsgdDecodeSum{"jaxcomp_qsgd_decode_sum", "bits", "bucket_size"};
 
 }  // namespace jaxcomp

@@ -1,5 +1,7 @@
-// The one list of FFI targets a module exposes. Each family file registers its
-// handlers where it defines them, with JAXCOMP_REGISTER at namespace scope;
+// The FFI targets and the one list of them a module exposes. Each family's
+// header declares its targets (Target: the name, typed once for C++, and the
+// attributes); each family file registers its handlers for them where it
+// defines them, with JAXCOMP_REGISTER (../../handler.h) at namespace scope;
 // the nanobind module of the build (_jaxcomp_cpu, _jaxcomp_cuda) turns the
 // list into its registrations() dict. So adding a family adds files and
 // touches no list. Plain C++: the host compiler and nvcc both include it.
@@ -10,6 +12,8 @@
 // references).
 #pragma once
 
+#include <array>
+#include <cstddef>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -17,7 +21,20 @@
 
 namespace jaxcomp {
 
-// One FFI target: its registered name and the handler symbol's address.
+// An FFI target: the name it is registered under (the codec's Python module
+// spells it once more) and the names of its attributes, in the order its
+// handlers take them. One per target, in the family's header, e.g.
+//   inline constexpr Target kInt8Encode{"jaxcomp_int8_encode", "bucket_size"};
+template <size_t N>
+struct Target {
+  const char* name;
+  std::array<const char*, N> attributes = {};
+};
+
+template <typename... A>
+Target(const char*, A...) -> Target<sizeof...(A)>;
+
+// One registered target: its registered name and the handler symbol's address.
 struct HandlerEntry {
   const char* name;
   void* handler;
@@ -51,11 +68,6 @@ struct Registration {
 
 }  // namespace jaxcomp
 
+// For JAXCOMP_REGISTER (../../handler.h): one name per registration.
 #define JAXCOMP_CONCAT_IMPL(a, b) a##b
 #define JAXCOMP_CONCAT(a, b) JAXCOMP_CONCAT_IMPL(a, b)
-
-// Registers the handler symbol `handler` (of XLA_FFI_DEFINE_HANDLER_SYMBOL)
-// under the target name `name`. At namespace scope, once per target.
-#define JAXCOMP_REGISTER(name, handler)                                            \
-  static const ::jaxcomp::Registration JAXCOMP_CONCAT(jaxcomp_registration_, __LINE__)( \
-      name, reinterpret_cast<void*>(&handler))

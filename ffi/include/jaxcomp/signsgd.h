@@ -9,6 +9,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -24,27 +25,23 @@ JC_HD float signsgd_value(bool negative, float scale) { return negative ? -scale
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
 // Element counts of the payload of n elements: one sign bit per element of
-// every bucket, packed (uint8), and one scale per bucket (float32).
-struct SignsgdSizes {
-  int64_t signs;
-  int64_t scales;
-};
-
-JC_HD SignsgdSizes signsgd_sizes(int64_t n, int64_t bucket) {
+// every bucket, packed (uint8), and one scale per bucket (float32). The
+// checks are the pair families' (checks.h) over these sizes.
+JC_HD PairSizes signsgd_sizes(int64_t n, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  return SignsgdSizes{nb * bucket / 8, nb};
+  return PairSizes{nb * bucket / 8, nb};
 }
 
-inline const char* signsgd_check_encode(DType x, int64_t n, int64_t signs, int64_t scales, int64_t bucket) {
-  if (const char* e = check_bucketed_input(x, n, bucket)) return e;
-  const SignsgdSizes want = signsgd_sizes(n, bucket);
-  return check_payload(signs, want.signs, scales, want.scales);
-}
-
-inline const char* signsgd_check_decode(DType out, int64_t n, int64_t signs, int64_t scales, int64_t bucket) {
-  if (const char* e = check_bucketed_output(out, bucket)) return e;
-  const SignsgdSizes want = signsgd_sizes(n, bucket);
-  return check_payload(signs, want.signs, scales, want.scales);
-}
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/signsgd.cc and cuda/signsgd.cu (jaxcomp/registry.h).
+// Their handlers take the operands and results, then the attributes, in
+// order:
+//   encode: x (flat f32/bf16/f16) -> signs, scales (signsgd_sizes)
+inline constexpr Target kSignsgdEncode{"jaxcomp_signsgd_encode",
+                                       "bucket_size"};  // power of two
+//   decode: signs, scales -> flat output, the input's dtype
+inline constexpr Target kSignsgdDecode{"jaxcomp_signsgd_decode", "bucket_size"};
 
 }  // namespace jaxcomp

@@ -9,6 +9,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 #include "jaxcomp/ternary.h"
 
 namespace jaxcomp {
@@ -34,28 +35,29 @@ JC_HD float terngrad_value(uint32_t digit, float scale) {
 // Payload sizes and checks
 // ---------------------------------------------------------------------------
 // Element counts of the payload of n elements: the base-3^5 bytes of n trits
-// and one float32 scale per bucket.
-struct TerngradSizes {
-  int64_t trits;
-  int64_t scales;
-};
-
-JC_HD TerngradSizes terngrad_sizes(int64_t n, int64_t bucket) {
-  return TerngradSizes{base3_bytes(n), num_buckets(n, bucket)};
-}
+// and one float32 scale per bucket. The decoder's checks are the pair
+// families' (checks.h) over these sizes.
+JC_HD PairSizes terngrad_sizes(int64_t n, int64_t bucket) { return PairSizes{base3_bytes(n), num_buckets(n, bucket)}; }
 
 inline const char* terngrad_check_encode(DType x, int64_t n, int64_t seed, int64_t trits, int64_t scales,
                                          int64_t bucket) {
   if (const char* e = check_seed(seed)) return e;
   if (const char* e = check_bucketed_input(x, n, bucket)) return e;
-  const TerngradSizes want = terngrad_sizes(n, bucket);
-  return check_payload(trits, want.trits, scales, want.scales);
+  const PairSizes want = terngrad_sizes(n, bucket);
+  return check_payload(trits, want.codes, scales, want.side);
 }
 
-inline const char* terngrad_check_decode(DType out, int64_t n, int64_t trits, int64_t scales, int64_t bucket) {
-  if (const char* e = check_bucketed_output(out, bucket)) return e;
-  const TerngradSizes want = terngrad_sizes(n, bucket);
-  return check_payload(trits, want.trits, scales, want.scales);
-}
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/terngrad.cc and cuda/terngrad.cu (jaxcomp/registry.h).
+// Their handlers take the operands and results, then the attributes, in
+// order:
+//   encode: x (flat f32/bf16/f16), seed (2 uint32 words)
+//           -> trits (base-3^5 bytes, ceil(n/5)), scales (max|x| per bucket)
+inline constexpr Target kTerngradEncode{"jaxcomp_terngrad_encode",
+                                        "bucket_size"};  // power of two
+//   decode: trits, scales -> flat output, the input's dtype
+inline constexpr Target kTerngradDecode{"jaxcomp_terngrad_decode", "bucket_size"};
 
 }  // namespace jaxcomp

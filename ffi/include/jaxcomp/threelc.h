@@ -14,6 +14,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 #include "jaxcomp/ternary.h"
 
 namespace jaxcomp {
@@ -107,5 +108,19 @@ inline const char* threelc_check_decode(DType out, int64_t n, int64_t capacity, 
   if (n >= kElementLimit) return "outputs are limited to 2^32 - 1 elements";
   return threelc_check_buffers(n, capacity, scale, length, overflow, work);
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/threelc.cc and cuda/threelc.cu (jaxcomp/registry.h).
+// Their handlers take the operands and results, then the attributes, in
+// order:
+//   encode: x (flat f32/bf16/f16) -> stream (capacity bytes), scale m [1],
+//           length of the whole stream [1], overflow flag [1], work
+//           (threelc_sizes; what it holds is each backend's)
+inline constexpr Target kThreelcEncode{"jaxcomp_threelc_encode",
+                                       "sparsity_bits"};  // float32 bits of s
+//   decode: stream, scale [1], length [1], overflow [1] -> flat output, work
+inline constexpr Target kThreelcDecode{"jaxcomp_threelc_decode"};
 
 }  // namespace jaxcomp

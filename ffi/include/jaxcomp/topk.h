@@ -20,6 +20,7 @@
 
 #include "jaxcomp/checks.h"
 #include "jaxcomp/common.h"
+#include "jaxcomp/registry.h"
 
 namespace jaxcomp {
 
@@ -164,5 +165,18 @@ inline void topk_with_types(DType dt, int index_bytes, const F& fn) {
   if (dt == DType::kF32) return by_index(uint32_t{});
   return by_index(uint16_t{});
 }
+
+// ---------------------------------------------------------------------------
+// FFI targets
+// ---------------------------------------------------------------------------
+// The targets of ffi/topk.cc and cuda/topk.cu (jaxcomp/registry.h). Their
+// handlers take the operands and results, then the attributes, in order:
+//   encode: x (flat f32/bf16/f16)
+//           -> indices (u8/u16/u32, ascending), values (x's dtype)
+inline constexpr Target kTopkEncode{"jaxcomp_topk_encode",
+                                    "k",             // total (bucket 0) or per bucket
+                                    "bucket_size"};  // 0: whole tensor
+//   decode: indices, values -> flat output, the values' dtype
+inline constexpr Target kTopkDecode{"jaxcomp_topk_decode", "k", "bucket_size"};
 
 }  // namespace jaxcomp
