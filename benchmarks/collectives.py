@@ -261,7 +261,7 @@ def worker(args: argparse.Namespace) -> None:
     mesh = join(args, "data")
 
     import jaxcomp as jc
-    from jaxcomp.collectives import _core
+    from jaxcomp.collectives import _two_phase
 
     if not args.twins and not jc.cpu_available():
         raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
@@ -303,10 +303,10 @@ def worker(args: argparse.Namespace) -> None:
         case = f"{name}|{json.dumps(params)}|{alg}"
         if alg == PIPELINED:
             f = functools.partial(f, a="two_phase")
-            pipeline, _core.PIPELINE_MAX_DEPTH = _core.PIPELINE_MAX_DEPTH, 4
+            pipeline, _two_phase.PIPELINE_MAX_DEPTH = _two_phase.PIPELINE_MAX_DEPTH, 4
         rows[case] = timed(shard(f))  # compiled at its first call
         if alg == PIPELINED:
-            _core.PIPELINE_MAX_DEPTH = pipeline
+            _two_phase.PIPELINE_MAX_DEPTH = pipeline
         # The bytes this process handed to each collective, as the program
         # ran (capacity tiers follow the data): one more call, logged.
         with jc.collectives.wire_log() as log:

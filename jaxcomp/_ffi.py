@@ -6,6 +6,7 @@ CUDA module exists only where the package was built with a CUDA toolkit.
 
 from __future__ import annotations
 
+import enum
 import functools
 import hashlib
 import importlib
@@ -17,7 +18,26 @@ import sys
 
 import jax
 
-_BACKENDS = ("auto", "ffi", "xla")
+
+class Backend(enum.StrEnum):
+    """A backend after :func:`resolve_backend`: what
+    :func:`jaxcomp.ops._dispatch.dispatch` runs. Resolving applies
+    ``JAXCOMP_BACKEND`` once; a resolved value passes through
+    :func:`resolve_backend` as it is, so a call that resolves at its entry
+    (``Codec.encode``) and hands the value down resolves once."""
+
+    AUTO = "auto"  # the kernel on platforms that have one, the twin elsewhere
+    FFI = "ffi"  # the kernel everywhere (lowering fails where there is none)
+    XLA = "xla"  # the pure-JAX twin everywhere
+    # The kernel on the CPU (where built), the twin elsewhere, where XLA
+    # fuses it into what consumes its result (the collectives' decodes).
+    FUSED = "fused"
+    FUSED_FFI = "fused-ffi"  # "fused" under JAXCOMP_BACKEND=ffi: the CPU kernel required
+
+
+# What a caller may name, and what JAXCOMP_BACKEND may say.
+_BACKENDS = ("auto", "ffi", "xla", "fused")
+_ENV_BACKENDS = ("auto", "ffi", "xla")
 
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
@@ -302,17 +322,23 @@ def kernels_line() -> str:
     )
 
 
-def resolve_backend(backend: str) -> str:
+def resolve_backend(backend: str) -> Backend:
     """Validates ``backend`` and applies the ``JAXCOMP_BACKEND`` override.
 
-    ``JAXCOMP_BACKEND=xla`` sends every "auto" call to the pure-JAX twins;
-    ``JAXCOMP_BACKEND=ffi`` makes "auto" require the kernels.
+    ``JAXCOMP_BACKEND=xla`` sends every "auto" and "fused" call to the
+    pure-JAX twins; ``JAXCOMP_BACKEND=ffi`` makes "auto" require the
+    kernels, and "fused" require them on the CPU. A :class:`Backend` is
+    already resolved and is returned as it is.
     """
+    if isinstance(backend, Backend):
+        return backend
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend in ("ffi", "xla"):
+        return Backend(backend)
+    env = os.environ.get("JAXCOMP_BACKEND", "auto").strip().lower() or "auto"
+    if env not in _ENV_BACKENDS:
+        raise ValueError(f"JAXCOMP_BACKEND must be one of {_ENV_BACKENDS}, got {env!r}")
     if backend == "auto":
-        env = os.environ.get("JAXCOMP_BACKEND", "auto").strip().lower() or "auto"
-        if env not in _BACKENDS:
-            raise ValueError(f"JAXCOMP_BACKEND must be one of {_BACKENDS}, got {env!r}")
-        return env
-    return backend
+        return Backend(env)
+    return {"auto": Backend.FUSED, "ffi": Backend.FUSED_FFI, "xla": Backend.XLA}[env]

@@ -45,13 +45,13 @@ from collections.abc import Iterable, Mapping, Sequence
 import numpy as np
 
 from jaxcomp.codecs.base import Codec, Rate
-from jaxcomp.collectives import _sparse
-from jaxcomp.collectives._core import (
+from jaxcomp.collectives import (
     choose_algorithm,
+    chunk_len,
     operand_nbytes,
     recompression_warning,
+    sparse_is_static,
 )
-from jaxcomp.collectives._util import chunk_len
 
 F32 = np.dtype(np.float32)
 FLAT_ALGORITHMS = ("allgather", "two_phase", "ring", "sparse", "allreduce")
@@ -343,7 +343,7 @@ class Collective:
 
 def _tier(codec: Codec, m: int, bits: float | None) -> int:
     """The operand bytes of a variable-rate payload of ``m`` values in the
-    capacity tier it travels in (``jaxcomp.collectives._util.transfer``):
+    capacity tier it travels in (``jaxcomp.collectives._tiers.transfer``):
     the smallest tier that holds the stream the data needs (the largest
     where that is unknown), plus the payload's other arrays (scale, length),
     which do not change with the capacity."""
@@ -377,7 +377,7 @@ def collectives(
         return _variable_collectives(codec, algorithm, n, p, bits)
     ops = operand_nbytes(codec, (n,), F32, p, algorithm)
     out = []
-    if algorithm == "sparse" and not _sparse.static_fits(codec, n, F32, p):
+    if algorithm == "sparse" and not sparse_is_static(codec, n, F32, p):
         out.append(Collective("all-reduce", 4))  # the pmax choosing the pair tier
     if algorithm == "ring":
         hops = 2 * (p - 1)
@@ -521,7 +521,7 @@ def kernel_calls(
         return [("encode", c, codec)] * p + [("decode", c, codec)] * (2 * p - 1)
     if algorithm == "sparse":
         vc = codec.value_codec
-        if vc is None or _sparse.static_fits(codec, n, F32, p):
+        if vc is None or sparse_is_static(codec, n, F32, p):
             return [("encode", n, codec)]
         c = -(-n // p)
         return [
@@ -891,8 +891,8 @@ def step_buckets(codec: Codec | None, shapes: Sequence[tuple[int, ...]], **plan_
     of every leaf (what ``lax.pmean`` of the gradients moves)."""
     import jax
 
+    from jaxcomp.optax._config import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
     from jaxcomp.optax._plan import make_plan
-    from jaxcomp.optax._transform import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
 
     if codec is None:
         return [(None, sum(math.prod(s) for s in shapes))]

@@ -40,6 +40,9 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp.optax import init as init_state
+from jaxcomp.optax._state import check_laid_out, partition_specs
+
 __all__ = ["DataParallel", "data_parallel"]
 
 
@@ -83,38 +86,7 @@ class DataParallel:
         max_in_flight: int | str | None = "auto",
         require_all_reduce: bool = True,
     ):
-        if not callable(loss_fn):
-            raise TypeError(f"jc.data_parallel: loss_fn must be callable, got {loss_fn!r}")
-        if not (hasattr(tx, "init") and hasattr(tx, "update")):
-            raise TypeError(
-                "jc.data_parallel: tx must be an optax.GradientTransformation (for example "
-                "optax.chain(jc.optax.compress_gradients(codec, 'data'), optax.sgd(0.1))), got "
-                f"{type(tx).__name__}"
-            )
-        if not isinstance(mesh, Mesh):
-            raise TypeError(
-                f"jc.data_parallel: mesh must be a jax.sharding.Mesh (jax.make_mesh((8,), "
-                f"('data',))), got {type(mesh).__name__}"
-            )
-        axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        unknown = [a for a in axes if a not in mesh.axis_names]
-        if unknown or not axes:
-            raise ValueError(
-                f"jc.data_parallel: axis_name {axis_name!r} is not an axis of the mesh, whose "
-                f"axes are {mesh.axis_names}"
-            )
-        others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-        if others:
-            raise ValueError(
-                f"jc.data_parallel: the mesh has axes {others} besides the data axes {axes}. "
-                "The step replicates the parameters over the whole mesh (pure data "
-                "parallelism); for model parallelism write the shard_map step by hand "
-                "(docs/training-loop.md), or pass a mesh of the data axes only."
-            )
-        if not isinstance(accumulate_steps, (int, np.integer)) or accumulate_steps < 1:
-            raise ValueError(
-                f"jc.data_parallel: accumulate_steps must be an int >= 1, got {accumulate_steps!r}"
-            )
+        axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
         self.loss_fn = loss_fn
         self.tx = tx
         self.mesh = mesh
@@ -148,8 +120,6 @@ class DataParallel:
           the state of ``jc.optax.init`` (per-device residuals sharded over
           the data axis).
         """
-        from jaxcomp.optax import init as init_state
-
         if _is_nnx_module(params):
             nnx = _nnx()
             graphdef, state, rest = nnx.split(params, nnx.Param, ...)
@@ -220,7 +190,7 @@ class DataParallel:
           integer leaves summed.
         """
         self._check_batch(batch)
-        _check_laid_out(opt_state)
+        check_laid_out(opt_state)
         if self._step is None:
             self._step = self._build()
         rest = () if self._module is None else self._module[2]
@@ -285,8 +255,6 @@ class DataParallel:
         return loss, (aux, new_rest)
 
     def _build(self):
-        from jaxcomp.optax._state import _specs
-
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
 
         def local(params, opt_state, batch, rest, key=None):
@@ -309,7 +277,7 @@ class DataParallel:
             return params, opt_state, out, _average_mutated(rest, mutated, axes)
 
         def step(params, opt_state, batch, rest, *key):
-            state_specs = _specs(opt_state, self.axis_name)
+            state_specs = partition_specs(opt_state, self.axis_name)
             f = jax.shard_map(
                 local,
                 mesh=self.mesh,
@@ -393,19 +361,17 @@ def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
     dependencies (:func:`_flow`). ``check_vma`` cannot say it: jaxcomp's
     all-reduce ends in all_gathers that JAX types as per-device.
     """
-    from jaxcomp.optax._state import _specs
-
     closed, (updates, state) = jax.make_jaxpr(tx.update, return_shape=True)(
         grads, opt_state, params
     )
-    per_device = [s != P() for s in _flat_specs(_specs(opt_state, axis_name))]
+    per_device = [s != P() for s in _flat_specs(partition_specs(opt_state, axis_name))]
     sources = [True] * len(jax.tree.leaves(grads)) + per_device
     sources += [False] * len(jax.tree.leaves(params))
     if len(sources) != len(closed.jaxpr.invars):  # an input jax flattened otherwise
         return
     outs = _flow(closed.jaxpr, [(s, frozenset()) for s in sources])
     named = [("updates" + jax.tree_util.keystr(k), P()) for k, _ in _with_path(updates)]
-    specs = _flat_specs(_specs(state, axis_name))
+    specs = _flat_specs(partition_specs(state, axis_name))
     named += [
         ("opt_state" + jax.tree_util.keystr(k), s)
         for (k, _), s in zip(_with_path(state), specs, strict=True)
@@ -497,12 +463,41 @@ def _collective_axes(eqn) -> frozenset:
     return frozenset(axes)
 
 
-def _check_laid_out(opt_state) -> None:
-    from jaxcomp.optax._state import _check_laid_out as check
-    from jaxcomp.optax._state import _find
-
-    if _find(opt_state):
-        check(opt_state)
+def _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps) -> tuple:
+    """The data axes, after checking :func:`data_parallel`'s arguments."""
+    if not callable(loss_fn):
+        raise TypeError(f"jc.data_parallel: loss_fn must be callable, got {loss_fn!r}")
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(
+            "jc.data_parallel: tx must be an optax.GradientTransformation (for example "
+            "optax.chain(jc.optax.compress_gradients(codec, 'data'), optax.sgd(0.1))), got "
+            f"{type(tx).__name__}"
+        )
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"jc.data_parallel: mesh must be a jax.sharding.Mesh (jax.make_mesh((8,), "
+            f"('data',))), got {type(mesh).__name__}"
+        )
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    unknown = [a for a in axes if a not in mesh.axis_names]
+    if unknown or not axes:
+        raise ValueError(
+            f"jc.data_parallel: axis_name {axis_name!r} is not an axis of the mesh, whose "
+            f"axes are {mesh.axis_names}"
+        )
+    others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
+    if others:
+        raise ValueError(
+            f"jc.data_parallel: the mesh has axes {others} besides the data axes {axes}. "
+            "The step replicates the parameters over the whole mesh (pure data "
+            "parallelism); for model parallelism write the shard_map step by hand "
+            "(docs/training-loop.md), or pass a mesh of the data axes only."
+        )
+    if not isinstance(accumulate_steps, (int, np.integer)) or accumulate_steps < 1:
+        raise ValueError(
+            f"jc.data_parallel: accumulate_steps must be an int >= 1, got {accumulate_steps!r}"
+        )
+    return axes
 
 
 def _to_pure_dict(nnx, state) -> dict:
@@ -570,7 +565,7 @@ def _in_flight_bound(max_in_flight, mesh: Mesh, num_devices: int) -> int | None:
     return int(max_in_flight)
 
 
-def data_parallel(
+def data_parallel(  # long: the public docstring; the body is one call
     loss_fn: Callable,
     tx: optax.GradientTransformation,
     mesh: Mesh,

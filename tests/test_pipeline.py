@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
 from jaxcomp import collectives as jcc
-from jaxcomp.collectives import _core
+from jaxcomp.collectives import _two_phase as _core
 
 N_DEV = 8
 KEY = jax.random.key(3)

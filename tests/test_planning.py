@@ -68,7 +68,7 @@ def test_hierarchical_and_baseline_bytes_are_the_librarys():
 
 def test_capacity_tier_follows_the_data():
     codec = jc.codecs.get("threelc")
-    c = jc.collectives._util.chunk_len(codec, 1 << 20, 4)
+    c = jc.collectives.chunk_len(codec, 1 << 20, 4)
     tiers = codec.capacity_tiers(c)
     (a2a,) = [
         x

@@ -361,8 +361,9 @@ class Codec:
     #: collectives decode through it (the received payloads into their
     #: sum, a device's own payload into its residual update): one pass
     #: instead of a full-size tensor written by the kernel and read again.
-    #: On the CPU they use the kernels, which run several times faster
-    #: than XLA:CPU's fused loops (``jaxcomp.collectives._util.fused_backend``).
+    #: On the CPU they use the kernels, which are faster there than
+    #: XLA:CPU's fused loops (the "fused" backend of ``jaxcomp.ops``;
+    #: docs/benchmarks.md, "The optimizer step").
     #: False for codecs whose decode is a scan or a scatter (3LC's
     #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
     elementwise_decode: ClassVar[bool] = True
@@ -641,12 +642,13 @@ class Codec:
         Args:
           x: the tensor.
           key: a JAX PRNG key; required by stochastic codecs, ignored otherwise.
-          backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
+          backend: "auto" (kernel where built, else the twin), "ffi", "xla"
+            or "fused" (:mod:`jaxcomp.ops._dispatch`).
         Returns:
           A :class:`~jaxcomp.Payload` with static shapes (:meth:`arrays`).
         """
         x = self.check_input(x)
-        backend = resolve_backend(backend)
+        backend = resolve_backend(backend)  # once: the kernel calls take it as it is
         if self.stochastic and key is None:
             raise ValueError(f"{type(self).__name__} is stochastic: encode needs a PRNG key")
         arrays = self._encode(x.reshape(-1), key if self.stochastic else None, backend)
@@ -658,7 +660,9 @@ class Codec:
         Args:
           payload: a :class:`~jaxcomp.Payload` of this codec, of one tensor
             (use ``jax.vmap`` for stacked payloads).
-          backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
+          backend: "auto" (kernel where built, else the twin), "ffi", "xla"
+            or "fused" (the kernel on the CPU, the twin that XLA fuses into
+            the consumer elsewhere: :mod:`jaxcomp.ops._dispatch`).
         Returns:
           The tensor, in the original shape and dtype.
         Raises:
@@ -678,8 +682,8 @@ class Codec:
             batched=False,
             where=".decode",
         )
-        out = self._decode(payload, resolve_backend(backend))
-        return out.reshape(payload.shape)
+        backend = resolve_backend(backend)  # once: the kernel calls take it as it is
+        return self._decode(payload, backend).reshape(payload.shape)
 
     def decode_sum(self, payloads: Payload, *, backend: str = "auto") -> jax.Array:
         """The sum of stacked float32 payloads, decoded, in row order.

@@ -13,38 +13,57 @@ input became after compression, in float32: summed over the devices, the
 lets error feedback (``residual = x - sent``) lose nothing. Algorithms that
 compress twice can keep their second stage's error in an explicit per-device
 ``state`` (a server residual: two-level error feedback, see ``psum``).
+
+Each algorithm lives in a file of its own (``_allgather.py``,
+``_two_phase.py``, ``_ring.py``, ``_sparse.py``, ``_allreduce.py``,
+``_hierarchical.py``) and registers itself by name (:class:`Algorithm`)
+when it is imported, as the package does below.
 """
 
 from __future__ import annotations
 
-from jaxcomp.collectives._core import (
-    ALGORITHMS,
-    COARSE_ALLGATHER_MAX_DEVICES,
-    PIPELINE_MAX_DEPTH,
-    PIPELINE_MIN_VALUES,
+# Each algorithm registers itself when its module is imported; this order is
+# that of ALGORITHMS.
+# isort: off
+from jaxcomp.collectives import _allgather, _two_phase, _ring, _sparse, _allreduce  # noqa: F401
+from jaxcomp.collectives import _hierarchical  # noqa: F401
+# isort: on
+
+from jaxcomp.collectives._algorithm import Algorithm, Context, names, uncompressed_send_nbytes
+from jaxcomp.collectives._allgather import COARSE_ALLGATHER_MAX_DEVICES
+from jaxcomp.collectives._api import (
     Reduced,
     choose_algorithm,
     init_state,
     operand_nbytes,
-    pipeline_depth,
     pmean,
     psum,
     recompression_warning,
     send_nbytes,
     state_positions,
     state_size,
-    uncompressed_send_nbytes,
 )
-from jaxcomp.collectives._util import after, tier_capacities, wire_log
+from jaxcomp.collectives._chunks import chunk_len
+from jaxcomp.collectives._exchange import wire_log
+from jaxcomp.collectives._order import after
+from jaxcomp.collectives._sparse import static_fits as sparse_is_static
+from jaxcomp.collectives._tiers import tier_capacities
+from jaxcomp.collectives._two_phase import PIPELINE_MAX_DEPTH, PIPELINE_MIN_VALUES, pipeline_depth
+
+#: The names ``algorithm=`` takes.
+ALGORITHMS = names()
 
 __all__ = [
     "ALGORITHMS",
     "COARSE_ALLGATHER_MAX_DEVICES",
     "PIPELINE_MAX_DEPTH",
     "PIPELINE_MIN_VALUES",
+    "Algorithm",
+    "Context",
     "Reduced",
     "after",
     "choose_algorithm",
+    "chunk_len",
     "init_state",
     "operand_nbytes",
     "pipeline_depth",
@@ -52,6 +71,7 @@ __all__ = [
     "psum",
     "recompression_warning",
     "send_nbytes",
+    "sparse_is_static",
     "state_positions",
     "state_size",
     "tier_capacities",

@@ -15,6 +15,9 @@ protocol: ``entries(n)``, ``pairs(payload)`` and ``value_codec``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,17 +25,12 @@ from jax import lax
 
 from jaxcomp.codecs.base import Codec, Rate, index_dtype
 from jaxcomp.codecs.identity import Identity
-from jaxcomp.collectives._util import (
-    as_bits,
-    decode_own,
-    decode_rows,
-    exchange,
-    fold,
-    owner_stage,
-    record,
-    tier_index,
-    transfer,
-)
+from jaxcomp.collectives._algorithm import Algorithm, Context, register
+from jaxcomp.collectives._decode import decode_own, decode_rows
+from jaxcomp.collectives._exchange import as_bits, collective, exchange, record
+from jaxcomp.collectives._feedback import charge, owner_stage
+from jaxcomp.collectives._keys import fold
+from jaxcomp.collectives._tiers import tier_index, transfer
 from jaxcomp.payload import Payload
 
 
@@ -68,20 +66,44 @@ def _owned_len(n: int, size: int) -> int:
     return -(-n // size)
 
 
-def operand_nbytes(codec: Codec, n: int, dtype, size: int) -> dict[str, int]:
-    """The collectives' operand bytes of the ``sparse`` algorithm (see
-    :func:`jaxcomp.collectives.operand_nbytes`): the payload all-gathered as
-    it is, or the split algorithm's largest pair tier (pairs of a local
-    index, in the smallest integer type, and a raw value) and its dense
-    stage (raw, or through the codec's ``value_codec``)."""
-    _check(codec)
-    if static_fits(codec, n, dtype, size):
-        return {"all-gather": codec.wire_nbytes((n,), dtype)}
-    c = _owned_len(n, size)
-    pair = index_dtype(c + 1).itemsize + np.dtype(dtype).itemsize
-    vc = codec.value_codec
-    dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
-    return {"all-to-all": size * codec.entries(n) * pair, "all-gather": dense}
+@register
+@dataclasses.dataclass(frozen=True)
+class Sparse(Algorithm):
+    """The ``sparse`` algorithm: the static sparse all-reduce or
+    DSAR_Split_allgather, by :func:`static_fits`. Its server residual is the
+    owned range of the split algorithm's dense stage (none for the static
+    sparse all-reduce)."""
+
+    name: ClassVar[str] = "sparse"
+    auto_rank: ClassVar[int | None] = 1
+
+    def run(self, ctx, flat, state):
+        _check(ctx.codec)
+        if static_fits(ctx.codec, flat.size, flat.dtype, ctx.size):
+            return static_allreduce(ctx, flat, state)
+        return split_allgather(ctx, flat, state)
+
+    def chosen(self, codec, n, axes):
+        """Sparse codecs (``Rate.SPARSE``, TopK) over more than one device."""
+        return axes.size > 1 and n > 0 and codec.rate is Rate.SPARSE
+
+    def state_size(self, codec, n, dtype, axes):
+        return 0 if static_fits(codec, n, dtype, axes.size) else _owned_len(n, axes.size)
+
+    def operand_nbytes(self, codec, n, dtype, axes):
+        """The payload all-gathered as it is, or the split algorithm's
+        largest pair tier (pairs of a local index, in the smallest integer
+        type, and a raw value) and its dense stage (raw, or through the
+        codec's ``value_codec``)."""
+        _check(codec)
+        size = axes.size
+        if static_fits(codec, n, dtype, size):
+            return {"all-gather": codec.wire_nbytes((n,), dtype)}
+        c = _owned_len(n, size)
+        pair = index_dtype(c + 1).itemsize + np.dtype(dtype).itemsize
+        vc = codec.value_codec
+        dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
+        return {"all-to-all": size * codec.entries(n) * pair, "all-gather": dense}
 
 
 def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
@@ -97,20 +119,18 @@ def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
     )
 
 
-def static_allreduce(codec, flat, axis_name, size, key, div, state=None):
+def static_allreduce(ctx: Context, flat: jax.Array, state=None):
     """Every device's pairs to everyone (``all_gather`` of the payloads as
     they are), summed into a dense tensor (one compression: no server
     residual)."""
-    del size
     n = flat.size
-    p = codec.encode(flat, key)
+    p = ctx.codec.encode(flat, ctx.key)
 
     def consume(q: Payload):
         return scatter_add(*q.codec.pairs(q), n)
 
-    gather = lambda a: lax.all_gather(a, axis_name)  # noqa: E731
-    total = transfer(p, axis_name, "all-gather", gather, consume)
-    return (total if div == 1 else total / div), decode_own(p), state
+    total = transfer(p, "all-gather", ctx.axis, consume)
+    return (total if ctx.div == 1 else total / ctx.div), decode_own(p), state
 
 
 def _route(idx, vals, start, end, c, size, cap, dtype):
@@ -126,7 +146,7 @@ def _route(idx, vals, start, end, c, size, cap, dtype):
     return local, v
 
 
-def split_allgather(codec, flat, axis_name, size, key, div, state=None):
+def split_allgather(ctx: Context, flat: jax.Array, state=None):
     """DSAR_Split_allgather: device j owns indices [j c, (j+1) c). The pairs
     of each range go to their owner (``all_to_all`` in a static capacity
     tier agreed by ``pmax``, as for variable-rate codecs), the owner sums
@@ -134,17 +154,33 @@ def split_allgather(codec, flat, axis_name, size, key, div, state=None):
     through the codec's ``value_codec`` where it has one (SparCML section
     6). That stage's error stays in the owner's server residual (``state``,
     the owned range) or, without one, is charged to the owner's ``sent``."""
-    n, dtype = flat.size, flat.dtype
-    me = lax.axis_index(axis_name)
+    n, dtype, size = flat.size, flat.dtype, ctx.size
+    me = lax.axis_index(ctx.axis)
     c = _owned_len(n, size)
-    p = codec.encode(flat, key)
+    p = ctx.codec.encode(flat, ctx.key)
     sent = decode_own(p)
-    idx, vals = codec.pairs(p)  # ascending; padding reads n
+    owned = _reduce_scatter_pairs(ctx, p, c, dtype)
+    dense = ctx.codec.value_codec or Identity()  # the dense stage: quantized, or raw
+    p2, _, new_state, error = owner_stage(dense, owned, ctx.div, state, fold(ctx.key, size), dtype)
+    gathered = exchange(p2, "all-gather", ctx.axis)
+    total = decode_rows(gathered).reshape(-1)[:n]
+    if error is None:
+        return total, sent, new_state
+    return total, charge(jnp.pad(sent, (0, size * c - n)), me, c, error)[:n], None
+
+
+def _reduce_scatter_pairs(ctx: Context, p: Payload, c: int, dtype) -> jax.Array:
+    """Every device's pairs of my range ``[me c, (me + 1) c)``, summed
+    densely (float32 ``[c]``): the pairs of each range to their owner, in
+    the smallest capacity tier that holds the most pairs any device has for
+    one range."""
+    n, size = p.size, ctx.size
+    idx, vals = ctx.codec.pairs(p)  # ascending; padding reads n
     m = idx.shape[0]
     bounds = jnp.arange(size + 1, dtype=jnp.int32) * c
     edges = jnp.searchsorted(idx, jnp.minimum(bounds, n), side="left").astype(jnp.int32)
     start, end = edges[:-1], edges[1:]
-    need = lax.pmax(jnp.max(end - start), axis_name)
+    need = lax.pmax(jnp.max(end - start), ctx.axis)
     caps = split_tiers(m, size)
     vals = vals.astype(dtype)
 
@@ -152,7 +188,7 @@ def split_allgather(codec, flat, axis_name, size, key, div, state=None):
         def run(_):
             local, v = _route(idx, vals, start, end, c, size, cap, dtype)
             record("all-to-all", (local, v))
-            to_owner = lambda a: lax.all_to_all(a, axis_name, 0, 0)  # noqa: E731
+            to_owner = collective("all-to-all", ctx.axis)
             gi = to_owner(local)
             gv = to_owner(as_bits(v))
             gv = lax.bitcast_convert_type(gv, dtype) if gv.dtype != dtype else gv
@@ -161,29 +197,5 @@ def split_allgather(codec, flat, axis_name, size, key, div, state=None):
         return run
 
     if m == 0:
-        owned = jnp.zeros((c,), jnp.float32)
-    else:
-        owned = lax.switch(tier_index(need, caps), [branch(cap) for cap in caps], None)
-    dense = codec.value_codec or Identity()  # the dense stage: quantized, or raw
-    p2, _, new_state, error = owner_stage(dense, owned, div, state, fold(key, size), dtype)
-    gathered = exchange(lambda a: lax.all_gather(a, axis_name), p2, "all-gather")
-    total = decode_rows(gathered).reshape(-1)[:n]
-    if error is None:
-        return total, sent, new_state
-    # One-level error feedback: the dense stage's error on my range (in
-    # units of the sum) is mine.
-    full = jnp.pad(sent, (0, size * c - n))
-    start_me = me * c
-    full = lax.dynamic_update_slice(
-        full, lax.dynamic_slice(full, (start_me,), (c,)) + error, (start_me,)
-    )
-    return total, full[:n], None
-
-
-def sparse(codec, flat, axis_name, size, key, div, state=None):
-    """The ``sparse`` algorithm: static sparse all-reduce or
-    DSAR_Split_allgather, by :func:`static_fits`."""
-    _check(codec)
-    if static_fits(codec, flat.size, flat.dtype, size):
-        return static_allreduce(codec, flat, axis_name, size, key, div, state)
-    return split_allgather(codec, flat, axis_name, size, key, div, state)
+        return jnp.zeros((c,), jnp.float32)
+    return lax.switch(tier_index(need, caps), [branch(cap) for cap in caps], None)

@@ -1,20 +1,27 @@
 """Platform dispatch between FFI kernels and their pure-JAX twins.
 
-This is the only place that decides which implementation runs. ``backend``:
-"xla" always runs the twin; "ffi" always calls the kernel (lowering fails on a
+This is the only place that decides which implementation runs. ``backend``
+(resolved once per call by :func:`jaxcomp._ffi.resolve_backend`): "xla"
+always runs the twin; "ffi" always calls the kernel (lowering fails on a
 platform without one); "auto" runs the kernel on platforms that have one and
-the twin elsewhere (TPU, a GPU build without CUDA).
+the twin elsewhere (TPU, a GPU build without CUDA); "fused" runs the kernel
+on the CPU and the twin elsewhere, where XLA fuses the twin into what
+consumes its result (the collectives decode with it).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
 from jax import lax
 
-from jaxcomp._ffi import cpu_available, cuda_available, kernels_line, resolve_backend
+from jaxcomp._ffi import Backend, cpu_available, cuda_available, kernels_line, resolve_backend
+
+T = TypeVar("T")
 
 
 def ffi_call(
@@ -52,26 +59,49 @@ def dispatch(
     twin: Callable[..., tuple[jax.Array, ...]],
     *args: jax.Array,
 ) -> tuple[jax.Array, ...]:
-    """Runs ``kernel(*args)`` or ``twin(*args)`` according to ``backend``."""
-    backend = resolve_backend(backend)
-    if backend == "xla":
+    """Runs ``kernel(*args)`` or ``twin(*args)`` according to ``backend``.
+
+    "fused" on the CPU is the kernel: XLA:CPU's fused loops of the twins
+    run slower than the kernels by more than the pass they save
+    (docs/benchmarks.md, "The optimizer step" and "Compressed all-reduce
+    over emulated links")."""
+    backend = resolve_backend(backend)  # as it is where the caller resolved it
+    if backend is Backend.XLA:
         return tuple(twin(*args))
     cpu, cuda = cpu_available(), cuda_available()
-    if backend == "ffi":
-        if not (cpu or cuda):
-            raise RuntimeError(
-                f"backend='ffi' but no jaxcomp kernels are loaded: {kernels_line()}. "
-                "backend='xla' or 'auto' runs the pure-JAX twins instead"
-            )
+    required = backend in (Backend.FFI, Backend.FUSED_FFI)
+    if required and not (cpu or cuda):
+        raise RuntimeError(
+            f"backend='ffi' but no jaxcomp kernels are loaded: {kernels_line()}. "
+            "backend='xla' or 'auto' runs the pure-JAX twins instead"
+        )
+    if backend is Backend.FFI:
         return tuple(kernel(*args))
-    if any(a.size == 0 for a in args if hasattr(a, "size")):
+    if not required and any(a.size == 0 for a in args if hasattr(a, "size")):
         # Nothing to compute; the twin handles empty shapes without a custom call.
         return tuple(twin(*args))
+    fused = backend in (Backend.FUSED, Backend.FUSED_FFI)
     return tuple(
         lax.platform_dependent(
             *args,
-            cpu=kernel if cpu else twin,
-            cuda=kernel if cuda else twin,
+            cpu=kernel if cpu or required else twin,
+            cuda=kernel if cuda and not fused else twin,
             default=twin,
         )
     )
+
+
+def choose_path(
+    backend: str, kernel_path: Callable[[Backend], T], twin_path: Callable[[], T]
+) -> Callable[[], T]:
+    """Which of two whole computations runs, decided once, at trace time:
+    ``kernel_path`` (called with the resolved backend), which dispatches
+    its own kernels per platform (a codec's decode-and-sum kernel, with its
+    unfused twin where a platform has no kernel), where ``backend`` may run
+    kernels and this process has some loaded; else ``twin_path``, pure JAX
+    that XLA fuses into its consumer. Returned for the caller to run, so
+    that the path's own dispatch does not run inside this one."""
+    resolved = resolve_backend(backend)
+    if resolved is not Backend.XLA and (cpu_available() or cuda_available()):
+        return functools.partial(kernel_path, resolved)
+    return twin_path

@@ -2,10 +2,10 @@
 for subnormals and NaNs, for the twins.
 
 XLA's GPU code lowers float32 ``/`` to an approximate division and ``sqrt``
-to an approximate root (benchmarks/xla_arith.py on an H200: 29% and 17% of
-random operands differ from IEEE 754 by an ulp), while XLA's CPU code, the
-CPU kernels and the CUDA kernels (nvcc's -prec-div=true -prec-sqrt=true)
-round both correctly. The twins need one division or root per bucket, so
+to an approximate root, off by an ulp for many operands (how many:
+benchmarks/xla_arith.py, docs/gpu.md), while XLA's CPU code, the CPU
+kernels and the CUDA kernels (nvcc's -prec-div=true -prec-sqrt=true) round
+both correctly. The twins need one division or root per bucket, so
 they compute them here from integer operations (restoring division and the
 digit-by-digit root, one result bit per step), which every platform
 executes exactly: the same bits everywhere, at a cost per bucket, not per

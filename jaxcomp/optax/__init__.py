@@ -12,10 +12,11 @@ matrix-shaped gradient (PowerSGD); ``pmean`` is the uncompressed baseline
 """
 
 from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
+from jaxcomp.optax._chain import init
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._pmean import PmeanState, pmean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
-from jaxcomp.optax._state import init, state_specs, telemetry
+from jaxcomp.optax._state import state_specs, telemetry
 from jaxcomp.optax._telemetry import Telemetry
 from jaxcomp.optax._transform import CompressState, compress_gradients
 

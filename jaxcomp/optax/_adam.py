@@ -14,6 +14,7 @@ gradient and sends through the compressed all-reduce with error feedback.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -22,15 +23,16 @@ import numpy as np
 import optax
 from optax import tree_utils as otu
 
-from jaxcomp.codecs.base import Rate, as_codec
-from jaxcomp.optax._plan import Policy, is_codec_like, leaf_codecs
-from jaxcomp.optax._transform import CompressState, compress_gradients
+from jaxcomp.codecs.base import Rate
+from jaxcomp.optax._config import CommConfig
+from jaxcomp.optax._plan import Policy, leaf_codecs, resolve_policy
+from jaxcomp.optax._state import check_type
+from jaxcomp.optax._transform import CompressState, compressed_mean
 
 _WHO = "jc.optax.onebit_adam"
-# Seide's 1-bit codec with one (avg+, avg-) pair per 256 values: 1.25 bits
-# per element, 1/25.6 of float32 (DeepSpeed's 1-bit Adam keeps one scale
-# per worker chunk). Its held-out loss on the LM example is that of 64-value
-# buckets (2 bits) within the seeds' spread (docs/training.md).
+# Seide's 1-bit codec with one (avg+, avg-) pair per 256 values (1.25 bits
+# per element), as DeepSpeed's 1-bit Adam keeps one scale per worker chunk;
+# docs/training.md compares it with finer buckets.
 DEFAULT_CODEC = "onebit:bucket_size=256"
 SEND_MODES = ("auto", "momentum", "gradient")
 
@@ -61,6 +63,25 @@ class OneBitAdamState(NamedTuple):
 
 
 NOT_FROZEN = np.iinfo(np.int32).max
+
+
+class AdamHyperparams(NamedTuple):
+    """``b1, b2, eps, eps_root`` as ``optax.scale_by_adam`` takes them
+    (floats, or arrays under ``optax.inject_hyperparams``)."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    eps_root: Any
+
+
+class FreezeRule(NamedTuple):
+    """The rule that may end the warm-up early: freeze the variance at the
+    first check (every ``interval`` steps) where its sum changed by less
+    than ``tolerance`` (relative); ``tolerance`` None: no rule."""
+
+    tolerance: Any
+    interval: Any
 
 
 def freeze_step(state: OneBitAdamState, warmup_steps) -> jax.Array:
@@ -95,7 +116,133 @@ def _check_warmup_steps(warmup_steps: Any) -> None:
         )
 
 
-def scale_by_onebit_adam(
+def _check_freeze_rule(freeze_tolerance, freeze_interval) -> FreezeRule:
+    """The rule, checked (Python numbers only: under
+    ``optax.inject_hyperparams`` they arrive traced, and are used as they are)."""
+    if isinstance(freeze_tolerance, (int, float)) and not 0 < freeze_tolerance < 1:
+        raise ValueError(
+            f"{_WHO}: freeze_tolerance must be None or in (0, 1), got {freeze_tolerance!r}"
+        )
+    if freeze_interval is None:
+        freeze_interval = 10
+    elif isinstance(freeze_interval, (int, np.integer)) and freeze_interval < 1:
+        raise ValueError(f"{_WHO}: freeze_interval must be >= 1, got {freeze_interval}")
+    return FreezeRule(freeze_tolerance, freeze_interval)
+
+
+def sends_momentum(policy: Policy, send: str, grads) -> list[bool]:
+    """Per leaf: whether it sends its whole momentum after the warm-up
+    (else only the momentum's new part)."""
+    if send != "auto":
+        return [send == "momentum"] * len(jax.tree.leaves(grads))
+    return [
+        c is None or c.rate not in (Rate.SPARSE, Rate.VARIABLE) for c in leaf_codecs(policy, grads)
+    ]
+
+
+def device_values(grads, mu, full: list[bool], in_warmup, b1):
+    """What each device sends: its gradient during the warm-up; after it,
+    its momentum ``(1 - b1) g + b1 mu``, or only the new part ``(1 - b1) g``."""
+    g_leaves, treedef = jax.tree.flatten(grads)
+    m_leaves = treedef.flatten_up_to(mu)
+    return treedef.unflatten(
+        [
+            jnp.where(in_warmup, g, ((1 - b1) * g + (b1 * m if f else 0)).astype(g.dtype))
+            for g, m, f in zip(g_leaves, m_leaves, full, strict=True)
+        ]
+    )
+
+
+def common_momentum(mean, mu, full: list[bool], b1):
+    """The common momentum after the warm-up: the mean, plus ``b1 mu``
+    where only the new part was sent."""
+    treedef = jax.tree.structure(mean)
+    m_leaves = treedef.flatten_up_to(mu)
+    return treedef.unflatten(
+        [
+            a if f else a + b1 * m
+            for a, m, f in zip(treedef.flatten_up_to(mean), m_leaves, full, strict=True)
+        ]
+    )
+
+
+def next_moments(mean, state: OneBitAdamState, frozen_mu, ok, in_warmup, adam: AdamHyperparams):
+    """``(mu, nu)`` after the step: Adam's moments of the exact mean during
+    the warm-up; after it the common momentum and the frozen variance; as
+    they were after a non-finite step."""
+    adam_mu = otu.tree_update_moment(mean, state.mu, adam.b1, 1)
+    adam_nu = otu.tree_update_moment_per_elem_norm(mean, state.nu, adam.b2, 2)
+
+    def pick(warm, frozen, old):
+        return jnp.where(ok, jnp.where(in_warmup, warm, frozen), old)
+
+    mu = jax.tree.map(lambda w, m, o: pick(w, m.astype(o.dtype), o), adam_mu, frozen_mu, state.mu)
+    nu = jax.tree.map(lambda w, o: pick(w, o, o), adam_nu, state.nu)
+    return mu, nu
+
+
+def scaled_updates(mu, nu, t, freeze, ok, mean, adam: AdamHyperparams):
+    """``(updates, nu_hat)``: Adam's bias-corrected ``mu_hat / (sqrt(nu_hat
+    + eps_root) + eps)``, the variance corrected up to the freeze; a
+    non-finite mean passes through, so the training code sees it."""
+    mu_hat = otu.tree_bias_correction(mu, adam.b1, t)
+    nu_hat = otu.tree_bias_correction(nu, adam.b2, jnp.minimum(t, freeze))
+    updates = jax.tree.map(
+        lambda m, v: m / (jnp.sqrt(v + adam.eps_root) + adam.eps), mu_hat, nu_hat
+    )
+    updates = jax.tree.map(lambda u, a: jnp.where(ok, u, a.astype(u.dtype)), updates, mean)
+    return updates, nu_hat
+
+
+def apply_freeze_rule(state: OneBitAdamState, nu_hat, t, warming, rule: FreezeRule):
+    """``(frozen_at, variance_norm)`` after the check of step ``t`` (if any)."""
+    if rule.tolerance is None:
+        return state.frozen_at, state.variance_norm
+    check = warming & (t % rule.interval == 0)
+    total = sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(nu_hat))
+    prev = state.variance_norm
+    stable = (prev > 0) & (jnp.abs(total - prev) < rule.tolerance * prev)
+    frozen_at = jnp.where(check & stable, t, state.frozen_at).astype(jnp.int32)
+    return frozen_at, jnp.where(check, total, prev)
+
+
+def onebit_transformation(
+    policy: Policy, config: CommConfig, send: str, adam: AdamHyperparams, rule: FreezeRule
+) -> optax.GradientTransformation:
+    """``scale_by_onebit_adam`` for a codec policy and a validated config
+    (``config.warmup_steps``: the longest warm-up)."""
+
+    def init_fn(params) -> OneBitAdamState:
+        return OneBitAdamState(
+            mu=otu.tree_zeros_like(params),
+            nu=otu.tree_zeros_like(params),
+            compress=compressed_mean(policy, config).init(params),
+            frozen_at=jnp.asarray(NOT_FROZEN, jnp.int32),
+            variance_norm=jnp.zeros((), jnp.float32),
+        )
+
+    def update_fn(grads, state: OneBitAdamState, params=None):
+        del params
+        check_type(state, OneBitAdamState, _WHO)
+        count = state.compress.step
+        freeze = freeze_step(state, config.warmup_steps)
+        in_warmup = count < freeze
+        full = sends_momentum(policy, send, grads)
+        local = device_values(grads, state.mu, full, in_warmup, adam.b1)
+        momentum = compressed_mean(policy, dataclasses.replace(config, warmup_steps=freeze))
+        mean, compress = momentum.update(local, state.compress)
+        frozen_mu = common_momentum(mean, state.mu, full, adam.b1)
+        ok = compress.step > count  # the mean was finite: the inner state moved on
+        mu, nu = next_moments(mean, state, frozen_mu, ok, in_warmup, adam)
+        t = count + 1
+        updates, nu_hat = scaled_updates(mu, nu, t, freeze, ok, mean, adam)
+        frozen_at, norm = apply_freeze_rule(state, nu_hat, t, in_warmup & ok, rule)
+        return updates, OneBitAdamState(mu, nu, compress, frozen_at, norm)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_onebit_adam(  # long: the public docstring; the body builds the config
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,
     *,
@@ -170,120 +317,24 @@ def scale_by_onebit_adam(
       the gradient all-reduce.
     """
     _check_warmup_steps(warmup_steps)
-    # Python numbers are checked here; under optax.inject_hyperparams they
-    # arrive traced, and are used as they are.
-    if isinstance(freeze_tolerance, (int, float)) and not 0 < freeze_tolerance < 1:
-        raise ValueError(
-            f"{_WHO}: freeze_tolerance must be None or in (0, 1), got {freeze_tolerance!r}"
-        )
-    if freeze_interval is None:
-        freeze_interval = 10
-    elif isinstance(freeze_interval, (int, np.integer)) and freeze_interval < 1:
-        raise ValueError(f"{_WHO}: freeze_interval must be >= 1, got {freeze_interval}")
-    if min_compress_size is None:
-        min_compress_size = 0
-
-    def inner(warmup) -> optax.GradientTransformation:
-        """The compressed all-reduce of the momentum, exact for ``warmup`` steps."""
-        return compress_gradients(
-            codec,
-            axis_name,
-            error_feedback=True,
-            server_error_feedback=server_error_feedback,
-            algorithm=algorithm,
-            fusion_bytes=fusion_bytes,
-            min_compress_size=min_compress_size,
-            warmup_steps=warmup,
-            seed=seed,
-        )
-
-    inner(warmup_steps)  # its checks, at construction
+    rule = _check_freeze_rule(freeze_tolerance, freeze_interval)
+    config = CommConfig(
+        axis_name,
+        algorithm=algorithm,
+        fusion_bytes=fusion_bytes,
+        min_compress_size=0 if min_compress_size is None else min_compress_size,
+        warmup_steps=warmup_steps,
+        server_error_feedback=server_error_feedback,
+        seed=seed,
+    )
+    policy = resolve_policy(codec, config.who)
     if send not in SEND_MODES:
         raise ValueError(f"{_WHO}: send must be one of {SEND_MODES}, got {send!r}")
-    policy = as_codec(codec, _WHO) if is_codec_like(codec) else codec
-
-    def _sends_momentum(grads) -> list[bool]:
-        """Per leaf: whether it sends its whole momentum after the warm-up."""
-        if send != "auto":
-            return [send == "momentum"] * len(jax.tree.leaves(grads))
-        return [
-            c is None or c.rate not in (Rate.SPARSE, Rate.VARIABLE)
-            for c in leaf_codecs(policy, grads)
-        ]
-
-    def init_fn(params) -> OneBitAdamState:
-        return OneBitAdamState(
-            mu=otu.tree_zeros_like(params),
-            nu=otu.tree_zeros_like(params),
-            compress=inner(warmup_steps).init(params),
-            frozen_at=jnp.asarray(NOT_FROZEN, jnp.int32),
-            variance_norm=jnp.zeros((), jnp.float32),
-        )
-
-    def update_fn(grads, state: OneBitAdamState, params=None):
-        del params
-        if not isinstance(state, OneBitAdamState):
-            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a OneBitAdamState")
-        count = state.compress.step
-        freeze = freeze_step(state, warmup_steps)
-        in_warmup = count < freeze
-        # What each device sends: its gradient during the warm-up; after
-        # it, its momentum, or only the momentum's new part (1 - b1) g.
-        full = _sends_momentum(grads)
-        g_leaves, treedef = jax.tree.flatten(grads)
-        m_leaves = treedef.flatten_up_to(state.mu)
-        local = treedef.unflatten(
-            [
-                jnp.where(in_warmup, g, ((1 - b1) * g + (b1 * m if f else 0)).astype(g.dtype))
-                for g, m, f in zip(g_leaves, m_leaves, full, strict=True)
-            ]
-        )
-        mean, compress = inner(freeze).update(local, state.compress)
-        # The common momentum after the warm-up: the mean, plus b1 mu where
-        # only the new part was sent.
-        frozen_mu = treedef.unflatten(
-            [
-                a if f else a + b1 * m
-                for a, m, f in zip(treedef.flatten_up_to(mean), m_leaves, full, strict=True)
-            ]
-        )
-        ok = compress.step > count  # the mean was finite: the inner state moved on
-        adam_mu = otu.tree_update_moment(mean, state.mu, b1, 1)
-        adam_nu = otu.tree_update_moment_per_elem_norm(mean, state.nu, b2, 2)
-
-        def pick(warm, frozen, old):
-            return jnp.where(ok, jnp.where(in_warmup, warm, frozen), old)
-
-        mu = jax.tree.map(
-            lambda w, m, o: pick(w, m.astype(o.dtype), o), adam_mu, frozen_mu, state.mu
-        )
-        nu = jax.tree.map(lambda w, o: pick(w, o, o), adam_nu, state.nu)
-        t = count + 1
-        mu_hat = otu.tree_bias_correction(mu, b1, t)
-        nu_hat = otu.tree_bias_correction(nu, b2, jnp.minimum(t, freeze))
-        updates = jax.tree.map(lambda m, v: m / (jnp.sqrt(v + eps_root) + eps), mu_hat, nu_hat)
-        # A non-finite mean reaches the update, so the training code sees it.
-        updates = jax.tree.map(lambda u, a: jnp.where(ok, u, a.astype(u.dtype)), updates, mean)
-        frozen_at, norm = state.frozen_at, state.variance_norm
-        if freeze_tolerance is not None:
-            frozen_at, norm = _freeze_rule(state, nu_hat, t, in_warmup & ok)
-        return updates, OneBitAdamState(
-            mu=mu, nu=nu, compress=compress, frozen_at=frozen_at, variance_norm=norm
-        )
-
-    def _freeze_rule(state, nu_hat, t, warming):
-        """(frozen_at, variance_norm) after the check of step ``t`` (if any)."""
-        check = warming & (t % freeze_interval == 0)
-        total = sum(jnp.sum(v, dtype=jnp.float32) for v in jax.tree.leaves(nu_hat))
-        prev = state.variance_norm
-        stable = (prev > 0) & (jnp.abs(total - prev) < freeze_tolerance * prev)
-        frozen_at = jnp.where(check & stable, t, state.frozen_at).astype(jnp.int32)
-        return frozen_at, jnp.where(check, total, prev)
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    adam = AdamHyperparams(b1, b2, eps, eps_root)
+    return onebit_transformation(policy, config, send, adam, rule)
 
 
-def onebit_adam(
+def onebit_adam(  # long: the public signature and docstring; the body is a chain
     learning_rate: optax.ScalarOrSchedule,
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,

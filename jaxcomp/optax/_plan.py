@@ -131,6 +131,12 @@ def is_codec_like(x) -> bool:
     return isinstance(x, (Codec, str)) or (isinstance(x, type) and issubclass(x, Codec))
 
 
+def resolve_policy(policy: Policy, who: str) -> Policy:
+    """A spec string or a codec class read now (its errors included, from
+    ``who``); any other policy as it is."""
+    return as_codec(policy, who) if is_codec_like(policy) else policy
+
+
 def leaf_codecs(policy: Policy, tree) -> list[Codec | None]:
     """The codec (or None) of every leaf of ``tree``, in flatten order."""
     leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(tree)

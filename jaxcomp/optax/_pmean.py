@@ -15,12 +15,14 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp.optax._config import bound_axis_sizes
+from jaxcomp.optax._state import all_reduce_state, check_type
 from jaxcomp.optax._telemetry import Telemetry, exact_stats, zero_telemetry
-from jaxcomp.optax._transform import _bound_axis_sizes
 
 _WHO = "jc.optax.pmean"
 
 
+@all_reduce_state()
 class PmeanState(NamedTuple):
     """State of :func:`pmean` (every leaf replicated: nothing is per device).
 
@@ -79,9 +81,8 @@ def pmean(axis_name="data") -> optax.GradientTransformation:
 
     def update_fn(grads, state: PmeanState, params=None):
         del params
-        if not isinstance(state, PmeanState):
-            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a PmeanState")
-        sizes = _bound_axis_sizes(axes, _WHO)
+        check_type(state, PmeanState, _WHO)
+        sizes = bound_axis_sizes(axes, _WHO)
         leaves, treedef = jax.tree.flatten(grads)
         reduced = [i for i, g in enumerate(leaves) if _is_reduced(g)]
         means = lax.pmean([leaves[i] for i in reduced], axes if len(axes) > 1 else axes[0])

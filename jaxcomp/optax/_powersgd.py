@@ -29,21 +29,17 @@ import optax
 from jax import lax
 
 from jaxcomp.collectives import after, uncompressed_send_nbytes
+from jaxcomp.optax._config import CommConfig, axis_names, bound_axis_sizes
 from jaxcomp.optax._plan import Policy, has_residual
-from jaxcomp.optax._step import all_finite
+from jaxcomp.optax._state import all_reduce_state, check_type, read_factors
+from jaxcomp.optax._step import all_finite, nonfinite_updates
 from jaxcomp.optax._telemetry import Telemetry, count_skipped, zero_telemetry
-from jaxcomp.optax._transform import (
-    _axis_names,
-    _bound_axis_sizes,
-    _replicated_error,
-    check_nonfinite,
-    compress_gradients,
-    zero_unless,
-)
+from jaxcomp.optax._transform import compress_gradients
 
 _WHO = "jc.optax.powersgd"
 
 
+@all_reduce_state(per_device=("residuals",), nested=("rest",))
 class PowerSGDState(NamedTuple):
     """State of :func:`powersgd`.
 
@@ -71,7 +67,7 @@ class PowerSGDState(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class LowRankPlan:
     """Which leaves are low-rank compressed, as what matrices."""
 
     treedef: Any
@@ -86,7 +82,10 @@ class _Plan:
         return sum(math.prod(s) for s in self.shapes)
 
 
-def _make_plan(tree, rank: int, min_compression_rate: float) -> _Plan:
+def make_low_rank_plan(tree, rank: int, min_compression_rate: float) -> LowRankPlan:
+    """The plan for gradients shaped like ``tree``: a floating leaf of rank
+    >= 2 is a matrix ``prod(shape[:-1]) x shape[-1]`` if its factors are
+    ``min_compression_rate`` times smaller than it."""
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(int(d) for d in a.shape) for a in leaves)
     dtypes = tuple(np.dtype(a.dtype) for a in leaves)
@@ -102,7 +101,7 @@ def _make_plan(tree, rank: int, min_compression_rate: float) -> _Plan:
                 matrices[i] = (n, m, r)
                 continue
         rest.append(i)
-    return _Plan(treedef, shapes, dtypes, matrices, tuple(rest), tuple(passthrough))
+    return LowRankPlan(treedef, shapes, dtypes, matrices, tuple(rest), tuple(passthrough))
 
 
 def orthogonalize(p: jax.Array) -> jax.Array:
@@ -149,7 +148,7 @@ def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
 def _matmul(g: jax.Array, e: jax.Array | None, x: jax.Array, transpose: bool) -> jax.Array:
     """``M @ x`` (or ``M.T @ x``) for ``M = g + e``, without writing M:
     two products that read g and e where they are."""
-    if transpose:  # as (x^T M)^T: XLA:CPU writes an [m, r] product of M^T 10x slower
+    if transpose:  # as (x^T M)^T: XLA:CPU is slow to write M^T's product (docs/benchmarks.md)
 
         def mm(a):
             return jnp.einsum("nm,nk->km", a, x).T
@@ -185,7 +184,37 @@ def _exact(gs, es, qs, axes):
     return means, qs, res, ok
 
 
-def _payloads(plan: _Plan) -> tuple[int, int, int]:
+class Matrices(NamedTuple):
+    """The compressed leaves as matrices, in ``plan.matrices`` order: this
+    step's gradients (float32 [n, m]), residuals ([n, m], or None without
+    error feedback) and the Qs the power iteration starts from ([m, r])."""
+
+    gs: list
+    es: list
+    qs: list
+
+
+class LowRankMean(NamedTuple):
+    """What :func:`_compressed` (or :func:`_exact`) returns, in
+    ``plan.matrices`` order: the approximations, the new Qs, the new
+    residuals, and whether the factors were finite."""
+
+    approx: list
+    qs: list
+    residuals: list
+    ok: jax.Array
+
+
+class LeafState(NamedTuple):
+    """The state's Q and residual of every leaf, in flatten order
+    (``optax.MaskedNode()`` for the leaves PowerSGD does not compress;
+    ``residuals`` None without error feedback)."""
+
+    qs: list
+    residuals: list | None
+
+
+def _payloads(plan: LowRankPlan) -> tuple[int, int, int]:
     """Bytes of the factors, of the full matrices and of the other leaves."""
     factors = sum((n + m) * r for n, m, r in plan.matrices.values()) * 4
     full = sum(n * m for n, m, _ in plan.matrices.values()) * 4
@@ -193,7 +222,7 @@ def _payloads(plan: _Plan) -> tuple[int, int, int]:
     return factors, full, exact
 
 
-def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None, skipped) -> Telemetry:
+def _telemetry(plan: LowRankPlan, p: int, in_warmup, rest: Telemetry | None, skipped) -> Telemetry:
     """The step's :class:`Telemetry`: the factors (or, in a warm-up step,
     the full matrices) and the other leaves, exact or as ``rest``'s state
     counted them."""
@@ -215,7 +244,176 @@ def _telemetry(plan: _Plan, p: int, in_warmup, rest: Telemetry | None, skipped) 
     return Telemetry(f32(bits), f32(wire), f32(ratio), zero, skipped)
 
 
-def powersgd(
+@dataclasses.dataclass(frozen=True)
+class PowerSGD:
+    """``powersgd`` for validated options (see :func:`powersgd`); ``rest``
+    is the ``compress_gradients`` of the other leaves, or None."""
+
+    config: CommConfig
+    rank: int
+    min_compression_rate: float
+    warm_start: bool
+    rest: optax.GradientTransformation | None
+
+    @property
+    def slow(self):
+        return axis_names(self.config.axis_name)[0]
+
+    @property
+    def fast(self):
+        names = axis_names(self.config.axis_name)
+        return names[1] if len(names) == 2 else None
+
+    def transformation(self) -> optax.GradientTransformation:
+        # Named init_fn and update_fn, as the other transformations' are:
+        # jax.jit names the compiled module after the function.
+        return optax.GradientTransformation(self.init_fn, self.update_fn)
+
+    def plan(self, tree) -> LowRankPlan:
+        return make_low_rank_plan(tree, self.rank, self.min_compression_rate)
+
+    def random_q(self, i: int, m: int, r: int, step) -> jax.Array:
+        """A standard normal Q for leaf ``i`` at ``step``, the same on every device."""
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed), i), step)
+        return jax.random.normal(key, (m, r), jnp.float32)
+
+    def init_fn(self, params) -> PowerSGDState:
+        plan = self.plan(params)
+        qs, residuals = [], []
+        for i, shape in enumerate(plan.shapes):
+            if i in plan.matrices:
+                _, m, r = plan.matrices[i]
+                qs.append(self.random_q(i, m, r, 0))
+                residuals.append(jnp.zeros((1, *shape), jnp.float32))
+            else:
+                qs.append(optax.MaskedNode())
+                residuals.append(optax.MaskedNode())
+        rest_leaves = [jax.tree.leaves(params)[i] for i in plan.rest]
+        return PowerSGDState(
+            step=jnp.zeros((), jnp.int32),
+            qs=plan.treedef.unflatten(qs),
+            residuals=plan.treedef.unflatten(residuals) if self.config.error_feedback else (),
+            rest=self.rest.init(rest_leaves) if self.rest is not None else (),
+            telemetry=zero_telemetry(),
+        )
+
+    def update_fn(self, grads, state: PowerSGDState, params=None):
+        """One step: plan, read the state, pack the matrices, reduce them
+        (or, in a warm-up step, their exact means), unpack, the other
+        leaves' mean, feedback, telemetry."""
+        del params
+        check_type(state, PowerSGDState, _WHO)
+        sizes = bound_axis_sizes(self.config.axis_name)
+        plan = self.plan(grads)
+        old = LeafState(*read_factors(plan, state.qs, self.residuals(state), _WHO))
+        leaves = self.exact_over_fast(plan, plan.treedef.flatten_up_to(grads))
+        matrices = self.pack(plan, leaves, old, state.step)
+        in_warmup = state.step < self.config.warmup_steps
+        low = self.reduce(matrices, in_warmup)
+        out, new = self.unpack(plan, leaves, low, old)
+        rest_out, rest_state = self.reduce_rest(plan, leaves, low, state.rest)
+        for i, v in zip(plan.rest, rest_out, strict=True):
+            out[i] = v
+        ok, new, rest_state = self.feedback(plan, rest_out, low.ok, old, new, rest_state, state)
+        out = nonfinite_updates(self.config.on_nonfinite, ok, out)
+        return plan.treedef.unflatten(out), self.next_state(
+            plan, state, ok, new, rest_state, in_warmup, sizes
+        )
+
+    def residuals(self, state: PowerSGDState):
+        """The state's residuals, or None without error feedback."""
+        return state.residuals if self.config.error_feedback else None
+
+    def exact_over_fast(self, plan: LowRankPlan, leaves: list) -> list:
+        """On a ``(slow, fast)`` mesh, the exact mean over ``fast`` first."""
+        if self.fast is None:
+            return leaves
+        return [
+            g if i in plan.passthrough else lax.pmean(g, self.fast) for i, g in enumerate(leaves)
+        ]
+
+    def pack(self, plan: LowRankPlan, leaves: list, old: LeafState, step) -> Matrices:
+        """The compressed leaves as float32 matrices, their residuals and
+        the Qs to start from (the state's, or fresh ones without warm start)."""
+        items = plan.matrices.items()
+        gs = [leaves[i].astype(jnp.float32).reshape(n, m) for i, (n, m, _) in items]
+        es = [None] * len(gs)
+        if old.residuals is not None:
+            es = [old.residuals[i][0].reshape(n, m) for i, (n, m, _) in items]
+        qs = [
+            old.qs[i] if self.warm_start else self.random_q(i, m, r, step + 1)
+            for i, (_, m, r) in plan.matrices.items()
+        ]
+        return Matrices(gs, es, qs)
+
+    def reduce(self, matrices: Matrices, in_warmup) -> LowRankMean:
+        """PowerSGD's all-reduces of the factors, or in a warm-up step the
+        exact means of the matrices."""
+        compressed = functools.partial(_compressed, axes=self.slow)
+        if self.config.never_warm:
+            return LowRankMean(*compressed(*matrices))
+        exact = functools.partial(_exact, axes=self.slow)
+        return LowRankMean(*lax.cond(in_warmup, exact, compressed, *matrices))
+
+    def unpack(self, plan: LowRankPlan, leaves: list, low: LowRankMean, old: LeafState):
+        """The updates (the approximations in the matrices' places, the
+        other leaves as they came) and the new :class:`LeafState`."""
+        out = list(leaves)
+        qs = list(old.qs)
+        res = None if old.residuals is None else list(old.residuals)
+        for i, a, e, q in zip(plan.matrices, low.approx, low.residuals, low.qs, strict=True):
+            out[i] = a.reshape(plan.shapes[i]).astype(plan.dtypes[i])
+            if res is not None:
+                res[i] = e.reshape(1, *plan.shapes[i])
+            if self.warm_start:
+                qs[i] = jnp.where(low.ok, q, old.qs[i])
+        return out, LeafState(qs, res)
+
+    def reduce_rest(self, plan: LowRankPlan, leaves: list, low: LowRankMean, rest_state):
+        """The other leaves' mean and ``rest``'s state: exact, one
+        ``lax.pmean`` per dtype, or through ``rest``'s codec. After the
+        matrices' collectives: one order of collectives on every device
+        (``jc.collectives.after``)."""
+        rest_in = after([leaves[i] for i in plan.rest], (low.approx, low.qs))
+        if self.rest is not None and plan.rest:
+            return self.rest.update(rest_in, rest_state)
+        return _flat_mean_by_dtype(rest_in, self.slow), rest_state
+
+    def feedback(self, plan, rest_out, ok, old: LeafState, new: LeafState, rest_state, state):
+        """``(ok, state lists, rest's state)``: a non-finite value in the
+        other leaves skips the whole step, as one in the matrices does:
+        nothing of the state moves."""
+        if not plan.rest:
+            return ok, new, rest_state
+        rest_ok = all_finite(rest_out)  # identical on every device
+        ok = ok & rest_ok
+        qs = list(new.qs)
+        res = None if new.residuals is None else list(new.residuals)
+        for i in plan.matrices:
+            if self.warm_start:
+                qs[i] = jnp.where(rest_ok, new.qs[i], old.qs[i])
+            if res is not None:
+                res[i] = jnp.where(rest_ok, new.residuals[i], old.residuals[i])
+        if self.rest is not None:
+            rest_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), rest_state, state.rest)
+        return ok, LeafState(qs, res), rest_state
+
+    def next_state(self, plan, state, ok, new: LeafState, rest_state, in_warmup, sizes):
+        """The state after the step, with its telemetry."""
+        skipped = count_skipped(state.telemetry, ok)
+        rest_telemetry = rest_state.telemetry if self.rest is not None else None
+        tel = _telemetry(plan, sizes[0], in_warmup, rest_telemetry, skipped)
+        residuals = () if new.residuals is None else plan.treedef.unflatten(new.residuals)
+        return PowerSGDState(
+            step=jnp.where(ok, state.step + 1, state.step),
+            qs=plan.treedef.unflatten(new.qs),
+            residuals=residuals,
+            rest=rest_state,
+            telemetry=tel,
+        )
+
+
+def powersgd(  # long: the public docstring; the body checks the options
     axis_name: str | tuple[str, str],
     rank: int = 4,
     *,
@@ -281,143 +479,22 @@ def powersgd(
         raise ValueError(
             f"{_WHO}: min_compression_rate must be a number >= 0, got {min_compression_rate!r}"
         )
-    if isinstance(warmup_steps, (int, np.integer)) and warmup_steps < 0:
-        raise ValueError(f"{_WHO}: warmup_steps must be >= 0, got {warmup_steps}")
-    on_nonfinite = check_nonfinite(_WHO, on_nonfinite)
-    rank, error_feedback, warm_start = int(rank), bool(error_feedback), bool(warm_start)
-    names = _axis_names(axis_name)
+    config = CommConfig(
+        axis_name,
+        warmup_steps=warmup_steps,
+        error_feedback=error_feedback,
+        on_nonfinite=on_nonfinite,
+        seed=seed,
+        who=_WHO,
+    )
+    names = axis_names(axis_name)
     if len(names) not in (1, 2):
         raise ValueError(f"{_WHO}: axis_name must be one axis or a (slow, fast) pair")
-    slow, fast = names[0], (names[1] if len(names) == 2 else None)
-    no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
     inner = None
     if rest is not None:
-        inner = compress_gradients(rest, slow, warmup_steps=warmup_steps, seed=seed)
-
-    def plan_for(tree) -> _Plan:
-        return _make_plan(tree, rank, min_compression_rate)
-
-    def random_q(i: int, m: int, r: int, step) -> jax.Array:
-        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), i), step)
-        return jax.random.normal(key, (m, r), jnp.float32)
-
-    def init_fn(params) -> PowerSGDState:
-        plan = plan_for(params)
-        qs, residuals = [], []
-        for i, shape in enumerate(plan.shapes):
-            if i in plan.matrices:
-                _, m, r = plan.matrices[i]
-                qs.append(random_q(i, m, r, 0))
-                residuals.append(jnp.zeros((1, *shape), jnp.float32))
-            else:
-                qs.append(optax.MaskedNode())
-                residuals.append(optax.MaskedNode())
-        rest_leaves = [jax.tree.leaves(params)[i] for i in plan.rest]
-        return PowerSGDState(
-            step=jnp.zeros((), jnp.int32),
-            qs=plan.treedef.unflatten(qs),
-            residuals=plan.treedef.unflatten(residuals) if error_feedback else (),
-            rest=inner.init(rest_leaves) if inner is not None else (),
-            telemetry=zero_telemetry(),
-        )
-
-    def read_state(plan: _Plan, state: PowerSGDState):
-        qs = plan.treedef.flatten_up_to(state.qs)
-        res = plan.treedef.flatten_up_to(state.residuals) if error_feedback else None
-        for i, (_, m, r) in plan.matrices.items():
-            if getattr(qs[i], "shape", None) != (m, r):
-                raise ValueError(
-                    f"{_WHO}: the state's Q for leaf {i} has shape "
-                    f"{getattr(qs[i], 'shape', None)}, expected {(m, r)}: was it initialized "
-                    "with other parameters or another rank?"
-                )
-            if res is not None:
-                if getattr(res[i], "shape", (None,))[1:] != plan.shapes[i]:
-                    raise ValueError(
-                        f"{_WHO}: the state's residual for leaf {i} does not fit the gradient "
-                        f"of shape {plan.shapes[i]}: was it initialized with other parameters?"
-                    )
-                if res[i].shape[0] != 1:
-                    raise _replicated_error(f"leaf {i}", res[i].shape[0])
-        return qs, res
-
-    def update_fn(grads, state: PowerSGDState, params=None):
-        del params
-        if not isinstance(state, PowerSGDState):
-            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a PowerSGDState")
-        sizes = _bound_axis_sizes(axis_name)
-        plan = plan_for(grads)
-        qs, res = read_state(plan, state)
-        leaves = plan.treedef.flatten_up_to(grads)
-        if fast is not None:  # exact over the fast axis first
-            leaves = [
-                g if i in plan.passthrough else lax.pmean(g, fast) for i, g in enumerate(leaves)
-            ]
-        idx = list(plan.matrices)
-        gs = [leaves[i].astype(jnp.float32).reshape(plan.matrices[i][:2]) for i in idx]
-        es = [res[i][0].reshape(plan.matrices[i][:2]) if error_feedback else None for i in idx]
-        q_in = [
-            qs[i] if warm_start else random_q(i, *plan.matrices[i][1:], state.step + 1) for i in idx
-        ]
-        in_warmup = state.step < warmup_steps
-        compressed = functools.partial(_compressed, axes=slow)
-        if no_warmup:
-            approx, new_qs, new_es, ok = compressed(gs, es, q_in)
-        else:
-            exact = functools.partial(_exact, axes=slow)
-            approx, new_qs, new_es, ok = lax.cond(in_warmup, exact, compressed, gs, es, q_in)
-        out = list(leaves)
-        new_res = list(res) if error_feedback else None
-        new_qs_all = list(qs)
-        for j, i in enumerate(idx):
-            out[i] = approx[j].reshape(plan.shapes[i]).astype(plan.dtypes[i])
-            if error_feedback:
-                new_res[i] = new_es[j].reshape(1, *plan.shapes[i])
-            if warm_start:
-                new_qs_all[i] = jnp.where(ok, new_qs[j], qs[i])
-
-        # The other leaves after the low-rank ones (one order of collectives
-        # on every device: jc.collectives.after).
-        rest_in = after([leaves[i] for i in plan.rest], (approx, new_qs))
-        rest_state = state.rest
-        if inner is not None and plan.rest:
-            rest_out, rest_state = inner.update(rest_in, state.rest)
-        else:
-            rest_out = _flat_mean_by_dtype(rest_in, slow)
-        for i, v in zip(plan.rest, rest_out, strict=True):
-            out[i] = v
-        if plan.rest:
-            # A non-finite value in the other leaves skips the whole step, as
-            # one in the matrices does: nothing of the state moves.
-            rest_ok = all_finite(rest_out)  # identical on every device
-            ok = ok & rest_ok
-            for i in idx:
-                if warm_start:
-                    new_qs_all[i] = jnp.where(rest_ok, new_qs_all[i], qs[i])
-                if error_feedback:
-                    new_res[i] = jnp.where(rest_ok, new_res[i], res[i])
-            if inner is not None:
-                rest_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), rest_state, state.rest)
-        if on_nonfinite == "skip":
-            out = [zero_unless(ok, u) for u in out]
-
-        tel = _telemetry(
-            plan,
-            sizes[0],
-            in_warmup,
-            rest_state.telemetry if inner is not None else None,
-            count_skipped(state.telemetry, ok),
-        )
-        new_state = PowerSGDState(
-            step=jnp.where(ok, state.step + 1, state.step),
-            qs=plan.treedef.unflatten(new_qs_all),
-            residuals=plan.treedef.unflatten(new_res) if error_feedback else (),
-            rest=rest_state,
-            telemetry=tel,
-        )
-        return plan.treedef.unflatten(out), new_state
-
-    return optax.GradientTransformation(init_fn, update_fn)
+        inner = compress_gradients(rest, names[0], warmup_steps=warmup_steps, seed=seed)
+    tx = PowerSGD(config, int(rank), min_compression_rate, bool(warm_start), inner)
+    return tx.transformation()
 
 
 def _flat_mean_by_dtype(leaves: list[jax.Array], axes) -> list[jax.Array]:

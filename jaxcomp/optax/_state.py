@@ -1,9 +1,20 @@
-"""Where the per-device parts of an optimizer state live: telemetry lookup,
-PartitionSpecs for ``jax.shard_map``, and initialization on a mesh."""
+"""Reading and checking optimizer states.
+
+Where the per-device parts of a state live (``find_states``,
+``partition_specs``, ``check_laid_out``; the public ``state_specs`` and
+``telemetry``), and the per-device parts an update reads, checks against
+the gradients and writes back: the residuals shaped like the parameters
+(``[1, *leaf.shape]`` per device), the server residuals of the compressed
+buckets (``[1, m]`` per device) and PowerSGD's factors. The state classes
+stay with their transformations and declare their layout here
+(:func:`all_reduce_state`), so this module imports none of them.
+"""
 
 from __future__ import annotations
 
-import warnings
+import contextlib
+import contextvars
+import dataclasses
 from typing import Any
 
 import jax
@@ -11,55 +22,60 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxcomp.optax._adam import OneBitAdamState
-from jaxcomp.optax._pmean import PmeanState
-from jaxcomp.optax._powersgd import PowerSGDState
-from jaxcomp.optax._transform import INIT_RECORDS, CompressState
-
-# States of optimizers that divide by a running second moment of what they
-# are given (Adam and its family, RMSProp, Adagrad, Adafactor).
-_SECOND_MOMENT_STATES = tuple(
-    t
-    for t in (
-        getattr(optax, n, None)
-        for n in (
-            "ScaleByAdamState",
-            "ScaleByAmsgradState",
-            "ScaleByBeliefState",
-            "ScaleByRmsState",
-            "ScaleByRStdDevState",
-            "ScaleByRssState",
-            "FactoredState",
-        )
-    )
-    if t is not None
-)
-_WARNED_ADAM: set = set()
-# States of transformations that keep statistics of the gradients they are
-# given (moments, traces): before the compressed all-reduce they would see
-# each device's local gradient.
-_GRADIENT_STATISTICS = _SECOND_MOMENT_STATES + tuple(
-    t
-    for t in (
-        getattr(optax, n, None)
-        for n in ("TraceState", "ScaleByLionState", "ScaleByNovogradState", "EmaState")
-    )
-    if t is not None
-)
+from jaxcomp.collectives import state_size
+from jaxcomp.optax._config import COMPRESS
+from jaxcomp.optax._plan import Plan
 
 
-# The states of the transformations that all-reduce the gradients (the
-# uncompressed baseline included): telemetry reads them, and they decide
+# ---------------------------------------------------------------------------
+# The states of the transformations that all-reduce the gradients
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What of a state is per device.
+
+    Attributes:
+      per_device: fields with one row per device (sharded along the data
+        axis under ``jax.shard_map``); the other fields are replicated.
+      nested: fields holding another optimizer state, laid out in turn.
+    """
+
+    per_device: tuple[str, ...] = ()
+    nested: tuple[str, ...] = ()
+
+
+# The state classes of the transformations that all-reduce the gradients
+# (the uncompressed baseline included): telemetry reads them, and they decide
 # which leaves are laid out per device.
-_ALL_REDUCE_STATES = (CompressState, PowerSGDState, PmeanState)
+LAYOUTS: dict[type, Layout] = {}
 
 
-def _is_compress(x) -> bool:
-    return isinstance(x, _ALL_REDUCE_STATES)
+def all_reduce_state(*, per_device: tuple[str, ...] = (), nested: tuple[str, ...] = ()):
+    """Class decorator: registers the state of a transformation that
+    all-reduces the gradients, and what of it is per device."""
+
+    def register(cls):
+        LAYOUTS[cls] = Layout(tuple(per_device), tuple(nested))
+        return cls
+
+    return register
 
 
-def _find(opt_state) -> list:
-    return [s for s in jax.tree.leaves(opt_state, is_leaf=_is_compress) if _is_compress(s)]
+def is_all_reduce_state(x) -> bool:
+    return isinstance(x, tuple(LAYOUTS))
+
+
+def find_states(opt_state) -> list:
+    """The all-reduce states inside ``opt_state``, in tree order."""
+    return [
+        s for s in jax.tree.leaves(opt_state, is_leaf=is_all_reduce_state) if is_all_reduce_state(s)
+    ]
+
+
+def check_type(state, cls: type, who: str) -> None:
+    """Raises the TypeError of an update given another transformation's state."""
+    if not isinstance(state, cls):
+        raise TypeError(f"{who}: update got a {type(state).__name__}, not a {cls.__name__}")
 
 
 def telemetry(opt_state) -> dict[str, jax.Array]:
@@ -82,7 +98,7 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
     Raises:
       ValueError: ``opt_state`` holds no ``compress_gradients`` state.
     """
-    found = _find(opt_state)
+    found = find_states(opt_state)
     if not found:
         raise ValueError(
             "jc.optax.telemetry: no jc.optax.compress_gradients (or powersgd, pmean) state "
@@ -91,10 +107,6 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
         )
     s = found[0]
     return {"step": s.step, **s.telemetry._asdict()}
-
-
-def _spec(axis_name):
-    return P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
 
 
 def state_specs(opt_state, axis_name) -> Any:
@@ -125,7 +137,7 @@ def state_specs(opt_state, axis_name) -> Any:
         was made by a plain ``tx.init`` outside the mesh (one residual row
         on one device).
     """
-    if not _find(opt_state):
+    if not find_states(opt_state):
         raise ValueError(
             "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam, powersgd, "
             "pmean) state inside "
@@ -135,18 +147,18 @@ def state_specs(opt_state, axis_name) -> Any:
             "hides the compress state). A chain without compression is replicated: "
             "jax.tree.map(lambda _: P(), opt_state)."
         )
-    _check_laid_out(opt_state)
-    return _specs(opt_state, axis_name)
+    check_laid_out(opt_state)
+    return partition_specs(opt_state, axis_name)
 
 
-def _check_laid_out(opt_state) -> None:
+def check_laid_out(opt_state) -> None:
     """Raises for a state made by a plain ``tx.init`` outside the mesh: its
     per-device residuals are one row on one device, where ``jc.optax.init``
     gives one row per device, sharded over the mesh (shard_map would fail
     with a bare "does not evenly divide" error)."""
     if jax.device_count() < 2:
         return
-    for s in _find(opt_state):
+    for s in find_states(opt_state):
         for r in jax.tree.leaves(getattr(s, "residuals", ())):
             sharding = getattr(r, "sharding", None)
             if (
@@ -163,155 +175,279 @@ def _check_laid_out(opt_state) -> None:
                 )
 
 
-def _specs(opt_state, axis_name) -> Any:
-    spec = _spec(axis_name)
+def partition_specs(opt_state, axis_name) -> Any:
+    """The PartitionSpecs of :func:`state_specs`, unchecked (a state without
+    an all-reduce state is all replicated)."""
+    spec = P(tuple(axis_name)) if isinstance(axis_name, (tuple, list)) else P(axis_name)
 
     def is_node(x):
-        return _is_compress(x) or isinstance(x, optax.MultiStepsState)
+        return is_all_reduce_state(x) or isinstance(x, optax.MultiStepsState)
 
     def walk(x):
-        if isinstance(x, PowerSGDState):
-            rep = jax.tree.map(lambda _: P(), x._replace(rest=()))
-            return rep._replace(
-                residuals=jax.tree.map(lambda _: spec, x.residuals),
-                rest=jax.tree.map(walk, x.rest, is_leaf=is_node),
-            )
-        if isinstance(x, PmeanState):
-            return jax.tree.map(lambda _: P(), x)
-        if isinstance(x, CompressState):
-            rep = jax.tree.map(lambda _: P(), x)
-            return rep._replace(
-                residuals=jax.tree.map(lambda _: spec, x.residuals),
-                server_residuals=jax.tree.map(lambda _: spec, x.server_residuals),
-            )
         if isinstance(x, optax.MultiStepsState):
-            inner = jax.tree.map(walk, x.inner_opt_state, is_leaf=is_node)
-            rest = jax.tree.map(lambda _: P(), x._replace(inner_opt_state=None))
-            if _find(x.inner_opt_state):
-
-                def acc_spec(a):
-                    if not jnp.ndim(a):
-                        raise ValueError(
-                            "jc.optax.state_specs: optax.MultiSteps accumulates a scalar "
-                            "gradient per device, which cannot be stored sharded; give that "
-                            "parameter a leading axis of size 1"
-                        )
-                    return spec
-
-                rest = rest._replace(acc_grads=jax.tree.map(acc_spec, x.acc_grads))
-            return rest._replace(inner_opt_state=inner)
+            return _multi_steps_specs(x, spec, walk, is_node)
+        for cls, layout in LAYOUTS.items():
+            if isinstance(x, cls):
+                return _layout_specs(x, layout, spec, walk, is_node)
         return P()
 
     return jax.tree.map(walk, opt_state, is_leaf=is_node)
 
 
-def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis_name) -> Any:
-    """Initializes an optimizer state on a mesh, laid out for ``jax.shard_map``.
+def _layout_specs(x, layout: Layout, spec, walk, is_node):
+    """An all-reduce state's specs: its per-device fields ``spec``, its
+    nested states walked, the rest replicated."""
+    replicated = jax.tree.map(lambda _: P(), x._replace(**dict.fromkeys(layout.nested, ())))
+    return replicated._replace(
+        **{f: jax.tree.map(lambda _: spec, getattr(x, f)) for f in layout.per_device},
+        **{f: jax.tree.map(walk, getattr(x, f), is_leaf=is_node) for f in layout.nested},
+    )
 
-    Runs ``tx.init(params)`` on every device of ``mesh``: the per-device
-    leaves of :func:`state_specs` come out sharded along ``axis_name`` (each
-    error-feedback residual a ``[devices, *leaf.shape]`` array), the rest
-    replicated.
 
-    Args:
-      tx: the optimizer (a chain containing ``compress_gradients``).
-      params: the (replicated) parameters.
-      mesh: the device mesh of the train step.
-      axis_name: its data-parallel axis.
-    Returns:
-      The optimizer state, global arrays on ``mesh``.
-    Raises:
-      ValueError: an optimizer that keeps statistics of the gradients
-        (momentum, Adam's moments, ...) comes before the compressed
-        all-reduce in the chain.
-    """
+def _multi_steps_specs(x, spec, walk, is_node):
+    """An ``optax.MultiStepsState``'s specs: its accumulated gradients are
+    per device when its inner state all-reduces them."""
+    inner = jax.tree.map(walk, x.inner_opt_state, is_leaf=is_node)
+    rest = jax.tree.map(lambda _: P(), x._replace(inner_opt_state=None))
+    if find_states(x.inner_opt_state):
+
+        def acc_spec(a):
+            if not jnp.ndim(a):
+                raise ValueError(
+                    "jc.optax.state_specs: optax.MultiSteps accumulates a scalar "
+                    "gradient per device, which cannot be stored sharded; give that "
+                    "parameter a leading axis of size 1"
+                )
+            return spec
+
+        rest = rest._replace(acc_grads=jax.tree.map(acc_spec, x.acc_grads))
+    return rest._replace(inner_opt_state=inner)
+
+
+# ---------------------------------------------------------------------------
+# The residuals: one per leaf, [1, *leaf.shape] per device
+# ---------------------------------------------------------------------------
+def is_masked(x) -> bool:
+    return isinstance(x, optax.MaskedNode)
+
+
+def replicated_error(path: str, rows: int, who: str = COMPRESS) -> ValueError:
+    """The error of a per-device state passed as replicated (``rows`` rows)."""
+    return ValueError(
+        f"{who}: inside the mapped step each device must see its own residual "
+        f"(leading axis 1), but for {path} it sees {rows} rows: the per-device "
+        "state was passed as replicated. Under jax.shard_map give the optimizer "
+        "state in_specs/out_specs=jc.optax.state_specs(opt_state, axis_name) "
+        "(and create it with jc.optax.init); under jax.pmap, create it with "
+        "jax.pmap(tx.init)."
+    )
+
+
+def zero_residuals(plan: Plan, dtype) -> Any:
+    """Zero residuals for every floating-point leaf of the plan."""
+    leaves = [
+        jnp.zeros((1, *shape), dtype) if carries else optax.MaskedNode()
+        for shape, carries in zip(plan.shapes, plan.carries_residual, strict=True)
+    ]
+    return plan.treedef.unflatten(leaves)
+
+
+def read_residuals(plan: Plan, residuals, dtype, who: str = COMPRESS) -> list:
+    """This device's residual of every leaf, shaped like the leaf (None for
+    a leaf without one), after checking the state against the gradients."""
+    found = jax.tree.structure(residuals, is_leaf=is_masked)
+    if found != plan.treedef:
+        raise ValueError(
+            f"{who}: the state's residuals do not have the gradients' structure (one "
+            "residual per gradient leaf, shaped like the parameters; a state whose residuals "
+            "are one array per fused bucket predates that layout): was the state initialized "
+            f"with parameters of another structure?\n  residuals: {found}\n  gradients: "
+            f"{plan.treedef}"
+        )
+    leaves = plan.treedef.flatten_up_to(residuals)
+    return [_read_residual(plan, i, r, dtype, who) for i, r in enumerate(leaves)]
+
+
+def _read_residual(plan: Plan, i: int, r, dtype, who: str):
+    """Leaf ``i``'s residual on this device (``r[0]``), or None, checked."""
+    path, shape = plan.paths[i], plan.shapes[i]
+    if not plan.carries_residual[i]:
+        if is_masked(r):
+            return None
+        raise ValueError(
+            f"{who}: gradient {path} of dtype {plan.dtypes[i].name} has no residual, but "
+            f"the state holds a {type(r).__name__} for it (expected optax.MaskedNode()): was "
+            "the state initialized with parameters of other dtypes?"
+        )
+    if is_masked(r) or tuple(r.shape[1:]) != shape:
+        got = "optax.MaskedNode()" if is_masked(r) else f"shape {tuple(r.shape)}"
+        raise ValueError(
+            f"{who}: the state's residual for {path} has {got}, but the gradient has shape "
+            f"{shape} (expected (1, *shape) inside the mapped step): was the state initialized "
+            "with other parameters?"
+        )
+    if r.shape[0] != 1:
+        raise replicated_error(path, r.shape[0], who)
+    if r.dtype != dtype:
+        raise ValueError(
+            f"{who}: the state's residual for {path} has dtype {r.dtype.name}, but "
+            f"residual_dtype is {dtype.name}: build the transformation with the "
+            "residual_dtype the state was created with"
+        )
+    return r[0]
+
+
+def write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
+    """The state's residuals after a step: the new ones where ``keep``,
+    else the old ones (a step that made one non-finite changes nothing).
+
+    The select is taken on the state's own ``(1, *shape)`` arrays, not on
+    the leaf-shaped ones and then expanded: XLA then needs one temporary
+    less (docs/benchmarks.md, "The optimizer step")."""
+    raw = plan.treedef.flatten_up_to(state_residuals)
+    leaves = [
+        optax.MaskedNode() if n is None else jnp.where(keep, n[None], o)
+        for o, n in zip(raw, new, strict=True)
+    ]
+    return plan.treedef.unflatten(leaves)
+
+
+# ---------------------------------------------------------------------------
+# The server residuals: one [1, m] row per compressed bucket per device
+# ---------------------------------------------------------------------------
+def server_sizes(plan: Plan, sizes: tuple[int, ...], algorithm: str) -> tuple[int, ...]:
+    """The length ``m`` of every compressed bucket's server residual."""
+    axis_sizes = sizes[0] if len(sizes) == 1 else sizes
+    return tuple(state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets)
+
+
+def zero_servers(plan: Plan, sizes, algorithm: str) -> tuple:
+    """Zero server residuals; where the axes are not bound (``tx.init``
+    outside the mapped function, or ``jax.eval_shape`` of it), empty rows
+    that ``update`` rejects with a message saying how to create the state."""
+    if sizes is None:
+        return tuple(jnp.zeros((1, 0), jnp.float32) for _ in plan.buckets)
+    return tuple(jnp.zeros((1, m), jnp.float32) for m in server_sizes(plan, sizes, algorithm))
+
+
+def read_servers(plan: Plan, servers, sizes, algorithm: str, who: str = COMPRESS) -> tuple:
+    """This device's server residual of every bucket, checked."""
+    want = server_sizes(plan, sizes, algorithm)
+    got = (
+        tuple(tuple(getattr(s, "shape", ())) for s in servers)
+        if isinstance(servers, tuple)
+        else None
+    )
+    if got is None or len(got) != len(want):
+        raise ValueError(
+            f"{who}: the state holds {len(servers) if got is not None else 'no'} server "
+            f"residuals, but this step has {len(want)} compressed buckets: was the state "
+            "initialized with other parameters, codecs, fusion_bytes or min_compress_size, "
+            "or with server_error_feedback=False?"
+        )
+    for b, m, shape, s in zip(plan.buckets, want, got, servers, strict=True):
+        _check_server(b, m, shape, s, sizes, algorithm, who)
+    return tuple(s[0] for s in servers)
+
+
+def _check_server(bucket, m: int, shape: tuple, s, sizes, algorithm: str, who: str) -> None:
+    if shape == (1, 0) and m:
+        raise ValueError(
+            f"{who}: the state's server residuals are empty: it was initialized outside "
+            "the mapped function, where the number of devices is unknown. Create it with "
+            "jc.optax.init(tx, params, mesh, axis_name) under jax.shard_map, or "
+            "jax.pmap(tx.init, axis_name=...) under jax.pmap."
+        )
+    if len(shape) == 2 and shape[0] != 1 and shape[1] == m:
+        raise replicated_error(
+            f"the server residual of the bucket of {bucket.codec!r}", shape[0], who
+        )
+    if shape != (1, m) or s.dtype != jnp.float32:
+        raise ValueError(
+            f"{who}: the state's server residual for the bucket of {bucket.codec!r} "
+            f"({bucket.size} values) has shape {shape}, expected (1, {m}) for "
+            f"algorithm={algorithm!r} on axes of sizes {sizes}: the server residuals "
+            "depend on the fused buckets, the algorithm and the number of devices, so "
+            "restore a state under the same fusion_bytes, codec policy, algorithm and "
+            "mesh (the per-leaf residuals do not)"
+        )
+
+
+def write_servers(old: tuple, new, keep) -> tuple:
+    """The state's server residuals after a step: the new ones where ``keep``."""
+    return tuple(jnp.where(keep, n[None], o) for o, n in zip(old, new, strict=True))
+
+
+# ---------------------------------------------------------------------------
+# PowerSGD's factors and residuals
+# ---------------------------------------------------------------------------
+def read_factors(plan, qs, residuals, who: str) -> tuple[list, list | None]:
+    """PowerSGD's Q of every leaf and its residual (the state's own
+    ``(1, *shape)`` array; ``residuals`` None without error feedback), in
+    flatten order, checked against the plan (a ``LowRankPlan``)."""
+    qs = plan.treedef.flatten_up_to(qs)
+    res = None if residuals is None else plan.treedef.flatten_up_to(residuals)
+    for i, (_, m, r) in plan.matrices.items():
+        if getattr(qs[i], "shape", None) != (m, r):
+            raise ValueError(
+                f"{who}: the state's Q for leaf {i} has shape "
+                f"{getattr(qs[i], 'shape', None)}, expected {(m, r)}: was it initialized "
+                "with other parameters or another rank?"
+            )
+        if res is not None:
+            if getattr(res[i], "shape", (None,))[1:] != plan.shapes[i]:
+                raise ValueError(
+                    f"{who}: the state's residual for leaf {i} does not fit the gradient "
+                    f"of shape {plan.shapes[i]}: was it initialized with other parameters?"
+                )
+            if res[i].shape[0] != 1:
+                raise replicated_error(f"leaf {i}", res[i].shape[0])
+    return qs, res
+
+
+# ---------------------------------------------------------------------------
+# What jc.optax.init learns of each compress_gradients while it traces tx.init
+# ---------------------------------------------------------------------------
+# Codecs below this many wire bits per element train Adam-family optimizers
+# placed after compress_gradients worse than float32: Adam divides by a
+# second moment that sees the compression noise (docs/accuracy.md, "Adam on
+# the LM", has the measurements).
+ADAM_COARSE_BITS = 8.0
+# jc.optax.init warns when a coarse codec feeds an optimizer with a second
+# moment. Which codecs a compress_gradients sends with is known to its
+# closure only: a chain hides its parts, and the state holds arrays only
+# (what a checkpoint holds, so it cannot carry them either). No explicit
+# value reaches init, so while init traces tx.init every compress_gradients
+# init appends its coarse codecs here, in chain order, which is the order of
+# the compress states in the result; init pairs the two by position.
+INIT_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomp_init_records", default=None
+)
+
+
+def coarse_for_adam(plan: Plan) -> tuple:
+    """The plan's codecs that send fewer than ADAM_COARSE_BITS bits per element."""
+    return tuple(
+        dict.fromkeys(
+            b.codec for b in plan.buckets if b.codec.bits_per_element() < ADAM_COARSE_BITS
+        )
+    )
+
+
+def record_init(plan: Plan) -> None:
+    """Called by every compress_gradients init: records the plan's coarse
+    codecs when ``jc.optax.init`` is listening (:func:`recording`)."""
+    records = INIT_RECORDS.get()
+    if records is not None:
+        records.append(coarse_for_adam(plan))
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: the list the compress_gradients inits record into, in order."""
     records: list = []
     token = INIT_RECORDS.set(records)
     try:
-        shapes = jax.eval_shape(tx.init, params)
+        yield records
     finally:
         INIT_RECORDS.reset(token)
-    _check_order(shapes)
-    _warn_coarse_before_adam(shapes, records)
-    specs = _specs(shapes, axis_name)  # a chain without one: replicated
-    f = jax.shard_map(
-        tx.init,
-        mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(), params),),
-        out_specs=specs,
-        check_vma=False,
-    )
-    return jax.jit(f)(params)
-
-
-def _warn_coarse_before_adam(opt_state, records: list) -> None:
-    """Warns once when a compress_gradients that sends fewer than
-    ADAM_COARSE_BITS bits per element comes before an optimizer that
-    divides by a second moment (``records``: what each compress_gradients
-    init reported, in chain order)."""
-
-    def is_node(x):
-        return isinstance(x, (CompressState, OneBitAdamState, *_SECOND_MOMENT_STATES))
-
-    coarse: tuple = ()
-    pending = iter(records)
-    for x in jax.tree.leaves(opt_state, is_leaf=is_node):
-        if isinstance(x, OneBitAdamState):
-            next(pending, None)  # its own compress state sends the momentum
-        elif isinstance(x, CompressState):
-            coarse = coarse + tuple(next(pending, ()) or ())
-        elif isinstance(x, _SECOND_MOMENT_STATES) and coarse:
-            key = (coarse, type(x).__name__)
-            if key in _WARNED_ADAM:
-                continue
-            _WARNED_ADAM.add(key)
-            names = ", ".join(str(c) for c in coarse)
-            warnings.warn(
-                f"jc.optax.init: compress_gradients with {names} (fewer than 8 bits per "
-                f"element) comes before an optimizer with a second moment ({type(x).__name__}: "
-                "Adam, AdamW, LAMB, RMSProp, Adagrad, Adafactor). That optimizer divides by a "
-                "variance that sees the compression noise, and error feedback cannot undo it: "
-                "such codecs train Adam far worse than float32 (docs/training.md, 'Adam and "
-                "compression'; a warm-up of exact steps does not help once it ends). Use "
-                "jc.optax.onebit_adam(learning_rate, axis_name, codec, ...), which sends "
-                "Adam's momentum compressed after freezing its variance, or a codec of 8 bits "
-                "or more (int8, cast:dtype=bfloat16).",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-
-
-def _check_order(opt_state) -> None:
-    """Raises if a transformation that keeps gradient statistics comes
-    before the compressed all-reduce: it would run on each device's local
-    gradient, and its state (laid out as replicated) would differ per
-    device."""
-
-    def is_node(x):
-        return isinstance(x, (*_ALL_REDUCE_STATES, OneBitAdamState, *_GRADIENT_STATISTICS))
-
-    finite_check = getattr(optax, "ApplyIfFiniteState", None)
-    if finite_check is not None:
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda y: isinstance(y, finite_check)):
-            if isinstance(x, finite_check) and _find(x.inner_state):
-                raise ValueError(
-                    "jc.optax.init: optax.apply_if_finite wraps the compressed all-reduce. It "
-                    "decides on each device's own gradient, so a device whose gradient "
-                    "overflowed skips the all-reduce that the others enter, and the job "
-                    "deadlocks. Put it after the all-reduce: optax.chain("
-                    "jc.optax.compress_gradients(codec, axis), optax.apply_if_finite(opt, k)) "
-                    "(compress_gradients leaves its state alone on a non-finite step; "
-                    "docs/training.md)."
-                )
-    before = None
-    for x in jax.tree.leaves(opt_state, is_leaf=is_node):
-        if isinstance(x, _GRADIENT_STATISTICS) and before is None:
-            before = type(x).__name__
-        elif isinstance(x, (*_ALL_REDUCE_STATES, OneBitAdamState)) and before:
-            raise ValueError(
-                f"jc.optax.init: the chain runs an optimizer with gradient statistics "
-                f"({before}: momentum, Adam, ...) before the compressed all-reduce "
-                f"({type(x).__name__}), so it would see each device's local gradient and its "
-                "state would silently differ per device. Put the all-reduce first: "
-                "optax.chain(jc.optax.compress_gradients(codec, axis), optax.adamw(...))."
-            )

@@ -17,8 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives import pmean
-from jaxcomp.collectives._util import after
+from jaxcomp.collectives import after, pmean
 from jaxcomp.optax._plan import Bucket, Plan
 
 
@@ -143,6 +142,21 @@ def all_finite(arrays) -> jax.Array:
     """bool[]: whether every element of every array is finite."""
     flags = [_finite(a) for a in arrays if a is not None]
     return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
+
+
+def zero_unless(ok, u):
+    """``u`` where ``ok``, else zeros (float0 gradients pass through)."""
+    if u.dtype == jax.dtypes.float0:
+        return u
+    return jnp.where(ok, u, jnp.zeros((), u.dtype))
+
+
+def nonfinite_updates(on_nonfinite: str, ok, updates: list) -> list:
+    """The updates a step returns: as they are, or, with ``on_nonfinite``
+    ``"skip"``, zeros unless ``ok`` (the mean was finite)."""
+    if on_nonfinite == "skip":
+        return [zero_unless(ok, u) for u in updates]
+    return updates
 
 
 class Unpacked(NamedTuple):

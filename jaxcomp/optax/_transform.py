@@ -1,25 +1,40 @@
 """``compress_gradients``: the compressed gradient all-reduce as an optax
 transformation (error feedback, tensor fusion, a per-leaf codec policy,
-warm-up, telemetry), its state, and the checks that a state fits the
-gradients."""
+warm-up, telemetry) and its state.
+
+Its update is docs/DESIGN's data flow written as its steps: plan the fused
+buckets, read this device's residuals from the state, ``pack`` them with
+the gradients, ``reduce`` the buffers over the devices, ``unpack`` the
+means and what was not sent, ``feedback`` (the residuals kept unless the
+step was not finite), and the new state with the step's telemetry.
+"""
 
 from __future__ import annotations
 
-import contextvars
 import warnings
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-from jax import lax
 
-from jaxcomp._axes import describe_bound_axes
-from jaxcomp.codecs.base import as_codec
-from jaxcomp.collectives import ALGORITHMS, recompression_warning, state_size
-from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, is_codec_like, make_plan
-from jaxcomp.optax._step import all_finite, pack, reduce, unpack
+from jaxcomp.collectives import recompression_warning
+
+# planning.py imports the defaults from this module.
+from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
+from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan, resolve_policy
+from jaxcomp.optax._state import (
+    all_reduce_state,
+    check_type,
+    read_residuals,
+    read_servers,
+    record_init,
+    write_residuals,
+    write_servers,
+    zero_residuals,
+    zero_servers,
+)
+from jaxcomp.optax._step import Unpacked, all_finite, nonfinite_updates, pack, reduce, unpack
 from jaxcomp.optax._telemetry import (
     Telemetry,
     count_skipped,
@@ -28,20 +43,8 @@ from jaxcomp.optax._telemetry import (
     zero_telemetry,
 )
 
-_WHO = "jc.optax.compress_gradients"
-# Fusion saves collectives (their latency) at the cost of copying every fused
-# leaf into one buffer. Past a few MiB a leaf's transfer dwarfs a
-# collective's latency, and the copy (a pass writing the leaf's bytes) is
-# what costs (docs/benchmarks.md, "The optimizer step": the fused copy was
-# the step's costliest operation).
-DEFAULT_FUSION_BYTES = 4 << 20
-DEFAULT_MIN_COMPRESS_SIZE = 1024
-# What update returns for a step whose mean gradient is not finite: "pass"
-# returns that mean (optax.apply_if_finite and loss-scaling logic downstream
-# see it), "skip" returns zeros. The state is left as it was either way.
-NONFINITE_MODES = ("pass", "skip")
 
-
+@all_reduce_state(per_device=("residuals", "server_residuals"))
 class CompressState(NamedTuple):
     """State of :func:`compress_gradients`.
 
@@ -77,270 +80,146 @@ class CompressState(NamedTuple):
     telemetry: Telemetry
 
 
-# Codecs below this many wire bits per element train Adam-family optimizers
-# placed after compress_gradients worse than float32 (Adam divides by a
-# second moment that sees the compression noise): measured on the LM example
-# (docs/accuracy.md, "Adam on the LM": QSGD-4 +3.5% held-out loss, OneBit,
-# SignSGD, 3LC, top-k, TernGrad and QSGD-2 +6% to +26%; Int8 and bfloat16
-# within 0.1%, Natural +1.1%).
-ADAM_COARSE_BITS = 8.0
-# Set by jc.optax.init while it traces tx.init: every compress_gradients of
-# the chain appends the codecs it compresses with below ADAM_COARSE_BITS, in
-# chain order, so that init can tell whether an Adam-family state follows.
-INIT_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomp_init_records", default=None
-)
-
-
-def coarse_for_adam(plan: Plan) -> tuple:
-    """The plan's codecs that send fewer than ADAM_COARSE_BITS bits per element."""
-    return tuple(
-        dict.fromkeys(
-            b.codec for b in plan.buckets if b.codec.bits_per_element() < ADAM_COARSE_BITS
-        )
-    )
-
-
-def _axis_names(axis_name) -> tuple:
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 _WARNED: set[tuple] = set()
 
 
-def _warn_unsafe(plan: Plan, algorithm: str) -> None:
+def warn_unsafe(plan: Plan, config: CommConfig) -> None:
     """Warns once per (codec, algorithm) that error feedback cannot train."""
     for b in plan.buckets:
-        why = recompression_warning(b.codec, algorithm)
-        if why and (b.codec, algorithm) not in _WARNED:
-            _WARNED.add((b.codec, algorithm))
-            warnings.warn(f"{_WHO}: {why}", RuntimeWarning, stacklevel=4)
+        why = recompression_warning(b.codec, config.algorithm)
+        if why and (b.codec, config.algorithm) not in _WARNED:
+            _WARNED.add((b.codec, config.algorithm))
+            warnings.warn(f"{config.who}: {why}", RuntimeWarning, stacklevel=4)
 
 
-def _bound_axis_sizes(axis_name, who: str = _WHO) -> tuple[int, ...]:
-    """The sizes of the mapped axes ``axis_name``, or an error (from ``who``)
-    that says how to bind them."""
-    sizes = []
-    for a in _axis_names(axis_name):
-        try:
-            sizes.append(int(lax.axis_size(a)))
-        except NameError as e:
-            raise ValueError(
-                f"{who}: update must run inside jax.shard_map or jax.pmap over the axis "
-                f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
-                "train step (see docs/training.md), or pass the axis_name of your mesh / pmap."
-                + describe_bound_axes()
-            ) from e
-    return tuple(sizes)
+class StepInputs(NamedTuple):
+    """What a step reads: the gradient leaves, this device's residual of
+    every leaf (None where it has none) and server residual of every
+    bucket (None without), the step's PRNG keys and warm-up flag."""
+
+    leaves: list
+    residuals: list
+    servers: tuple | None
+    next_key: jax.Array
+    step_key: jax.Array
+    in_warmup: jax.Array
 
 
-def _check_static_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-        hint = ""
-        if isinstance(value, (jax.Array, np.ndarray)):
-            hint = (
-                " (under optax.inject_hyperparams, list it in static_args: it fixes "
-                "the shapes of the state)"
-            )
-        raise ValueError(f"{_WHO}: {name} must be a Python int >= {lo}, got {value!r}{hint}")
-    return int(value)
+def read_inputs(plan: Plan, grads, state: CompressState, config: CommConfig, sizes) -> StepInputs:
+    """The step's :class:`StepInputs`, the state checked against the gradients."""
+    leaves = plan.treedef.flatten_up_to(grads)
+    residuals = [None] * len(leaves)
+    if config.error_feedback:
+        residuals = read_residuals(plan, state.residuals, config.residual_dtype, config.who)
+    servers = None
+    if config.two_level:
+        servers = read_servers(plan, state.server_residuals, sizes, config.algorithm, config.who)
+    next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
+    in_warmup = state.step < config.warmup_steps
+    return StepInputs(leaves, residuals, servers, next_key, step_key, in_warmup)
 
 
-def check_nonfinite(who: str, on_nonfinite) -> str:
-    """``on_nonfinite``, checked against ``NONFINITE_MODES``."""
-    if on_nonfinite not in NONFINITE_MODES:
-        raise ValueError(
-            f"{who}: on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}"
+class Feedback(NamedTuple):
+    """What the step leaves for the next: ``ok`` (bool[], the mean was
+    finite), the state's residuals and server residuals, their norm."""
+
+    ok: jax.Array
+    residuals: Any
+    server_residuals: tuple
+    norm: jax.Array
+
+
+def feedback(
+    plan: Plan, state: CompressState, config: CommConfig, ok, out: Unpacked, servers, sizes
+) -> Feedback:
+    """The new residuals and server residuals, kept as they were unless
+    the mean, the residuals and the server residuals are all finite."""
+    keep = ok & out.residuals_finite
+    server_residuals = ()
+    if config.two_level:
+        keep = keep & all_finite(servers)
+        server_residuals = write_servers(state.server_residuals, servers, keep)
+    residuals = ()
+    if config.error_feedback:
+        residuals = write_residuals(plan, state.residuals, out.residuals, keep)
+    norm = jnp.zeros((), jnp.float32)
+    if config.residual_norm:
+        norm = global_norm(residuals, config.axes(sizes))
+    return Feedback(ok, residuals, server_residuals, norm)
+
+
+def next_state(
+    plan: Plan, state: CompressState, config: CommConfig, inputs: StepInputs, kept: Feedback, sizes
+) -> CompressState:
+    """The state after the step: ``step`` and ``key`` move on only after a
+    finite one; the telemetry is the plan's, chosen by the warm-up flag."""
+    skipped = count_skipped(state.telemetry, kept.ok)
+    step = jnp.where(kept.ok, state.step + 1, state.step)
+    key = jnp.where(kept.ok, jax.random.key_data(inputs.next_key), state.key)
+    tel = step_telemetry(plan, sizes, config.algorithm, inputs.in_warmup, kept.norm, skipped)
+    return CompressState(step, key, kept.residuals, kept.server_residuals, tel)
+
+
+def initial_servers(plan: Plan, config: CommConfig) -> tuple:
+    """The server residuals of a new state (none with one-level error feedback)."""
+    if not config.two_level:
+        return ()
+    return zero_servers(plan, axis_sizes_or_none(config.axis_name), config.algorithm)
+
+
+def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransformation:
+    """``compress_gradients`` for a codec policy and a validated config."""
+
+    def plan_for(tree) -> Plan:
+        return make_plan(
+            policy,
+            tree,
+            min_compress_size=config.min_compress_size,
+            fusion_bytes=config.fusion_bytes,
         )
-    return on_nonfinite
 
-
-def _check_options(algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype):
-    """Validates the options; returns (fusion_bytes, min_compress_size, residual_dtype)."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{_WHO}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    # None defaults keep these out of optax.inject_hyperparams' numeric
-    # hyperparameters (which would turn them into arrays): they fix shapes.
-    fusion_bytes = _check_static_int(
-        "fusion_bytes", DEFAULT_FUSION_BYTES if fusion_bytes is None else fusion_bytes, 1
-    )
-    min_compress_size = _check_static_int(
-        "min_compress_size",
-        DEFAULT_MIN_COMPRESS_SIZE if min_compress_size is None else min_compress_size,
-        0,
-    )
-    if isinstance(warmup_steps, (int, np.integer)) and not isinstance(warmup_steps, bool):
-        if warmup_steps < 0:
-            raise ValueError(f"{_WHO}: warmup_steps must be >= 0, got {warmup_steps}")
-    residual_dtype = np.dtype(residual_dtype)
-    if not jnp.issubdtype(residual_dtype, jnp.floating):
-        raise ValueError(
-            f"{_WHO}: residual_dtype must be a floating dtype, got {residual_dtype.name}"
+    def init_fn(params) -> CompressState:
+        plan = plan_for(gradient_shapes(params))
+        record_init(plan)  # for jc.optax.init's check of a coarse codec before Adam
+        return CompressState(
+            step=jnp.zeros((), jnp.int32),
+            key=jax.random.key_data(jax.random.key(config.seed)),
+            residuals=zero_residuals(plan, config.residual_dtype) if config.error_feedback else (),
+            server_residuals=initial_servers(plan, config),
+            telemetry=zero_telemetry(),
         )
-    return fusion_bytes, min_compress_size, residual_dtype
 
-
-# ---------------------------------------------------------------------------
-# The residuals in the state: one per leaf, [1, *leaf.shape] per device
-# ---------------------------------------------------------------------------
-def _is_masked(x) -> bool:
-    return isinstance(x, optax.MaskedNode)
-
-
-def _zero_residuals(plan: Plan, dtype) -> Any:
-    leaves = [
-        jnp.zeros((1, *shape), dtype) if carries else optax.MaskedNode()
-        for shape, carries in zip(plan.shapes, plan.carries_residual, strict=True)
-    ]
-    return plan.treedef.unflatten(leaves)
-
-
-def _replicated_error(path: str, rows: int) -> ValueError:
-    return ValueError(
-        f"{_WHO}: inside the mapped step each device must see its own residual "
-        f"(leading axis 1), but for {path} it sees {rows} rows: the per-device "
-        "state was passed as replicated. Under jax.shard_map give the optimizer "
-        "state in_specs/out_specs=jc.optax.state_specs(opt_state, axis_name) "
-        "(and create it with jc.optax.init); under jax.pmap, create it with "
-        "jax.pmap(tx.init)."
-    )
-
-
-def _read_residuals(plan: Plan, residuals, dtype) -> list:
-    """This device's residual of every leaf, shaped like the leaf (None for
-    a leaf without one), after checking the state against the gradients."""
-    found = jax.tree.structure(residuals, is_leaf=_is_masked)
-    if found != plan.treedef:
-        raise ValueError(
-            f"{_WHO}: the state's residuals do not have the gradients' structure (one "
-            "residual per gradient leaf, shaped like the parameters; a state whose residuals "
-            "are one array per fused bucket predates that layout): was the state initialized "
-            f"with parameters of another structure?\n  residuals: {found}\n  gradients: "
-            f"{plan.treedef}"
+    def update_fn(grads, state: CompressState, params=None):
+        del params
+        check_type(state, CompressState, config.who)
+        plan = plan_for(grads)
+        sizes = bound_axis_sizes(config.axis_name, config.who)
+        if config.error_feedback:
+            warn_unsafe(plan, config)
+        inputs = read_inputs(plan, grads, state, config, sizes)
+        accs = pack(plan, inputs.leaves, inputs.residuals)
+        warmup = None if config.never_warm else inputs.in_warmup
+        means, sent, servers = reduce(
+            plan,
+            accs,
+            config.axes(sizes),
+            key=inputs.step_key,
+            algorithm=config.algorithm,
+            warmup=warmup,
+            servers=inputs.servers,
         )
-    leaves = plan.treedef.flatten_up_to(residuals)
-    return [_read_residual(plan, i, r, dtype) for i, r in enumerate(leaves)]
+        out = unpack(plan, inputs.leaves, accs, means, sent, config.feedback_dtype)
+        # The means are identical on every device, and a non-finite value in
+        # any device's acc reaches them, for every codec and algorithm
+        # (tests/test_nonfinite.py): one flag, no collective.
+        kept = feedback(plan, state, config, all_finite(means), out, servers, sizes)
+        updates = nonfinite_updates(config.on_nonfinite, kept.ok, out.updates)
+        return plan.treedef.unflatten(updates), next_state(plan, state, config, inputs, kept, sizes)
+
+    return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _read_residual(plan: Plan, i: int, r, dtype):
-    """Leaf ``i``'s residual on this device (``r[0]``), or None, checked."""
-    path, shape = plan.paths[i], plan.shapes[i]
-    if not plan.carries_residual[i]:
-        if _is_masked(r):
-            return None
-        raise ValueError(
-            f"{_WHO}: gradient {path} of dtype {plan.dtypes[i].name} has no residual, but "
-            f"the state holds a {type(r).__name__} for it (expected optax.MaskedNode()): was "
-            "the state initialized with parameters of other dtypes?"
-        )
-    if _is_masked(r) or tuple(r.shape[1:]) != shape:
-        got = "optax.MaskedNode()" if _is_masked(r) else f"shape {tuple(r.shape)}"
-        raise ValueError(
-            f"{_WHO}: the state's residual for {path} has {got}, but the gradient has shape "
-            f"{shape} (expected (1, *shape) inside the mapped step): was the state initialized "
-            "with other parameters?"
-        )
-    if r.shape[0] != 1:
-        raise _replicated_error(path, r.shape[0])
-    if r.dtype != dtype:
-        raise ValueError(
-            f"{_WHO}: the state's residual for {path} has dtype {r.dtype.name}, but "
-            f"residual_dtype is {dtype.name}: build the transformation with the "
-            "residual_dtype the state was created with"
-        )
-    return r[0]
-
-
-def _write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
-    """The state's residuals after a step: the new ones where ``keep``,
-    else the old ones (a step that made one non-finite changes nothing).
-
-    The select is taken on the state's own ``(1, *shape)`` arrays, not on
-    the leaf-shaped ones and then expanded: XLA then needs one temporary
-    less, and on the CPU each temporary costs page faults at every step
-    (docs/benchmarks.md, "The optimizer step")."""
-    raw = plan.treedef.flatten_up_to(state_residuals)
-    leaves = [
-        optax.MaskedNode() if n is None else jnp.where(keep, n[None], o)
-        for o, n in zip(raw, new, strict=True)
-    ]
-    return plan.treedef.unflatten(leaves)
-
-
-def zero_unless(ok, u):
-    """``u`` where ``ok``, else zeros (float0 gradients pass through)."""
-    if u.dtype == jax.dtypes.float0:
-        return u
-    return jnp.where(ok, u, jnp.zeros((), u.dtype))
-
-
-def _axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:
-    """The sizes of the axes where they are bound (inside the mapped
-    function), else None."""
-    try:
-        return _bound_axis_sizes(axis_name)
-    except ValueError:
-        return None
-
-
-# ---------------------------------------------------------------------------
-# The server residuals: one [1, m] row per compressed bucket per device
-# ---------------------------------------------------------------------------
-def _server_sizes(plan: Plan, sizes: tuple[int, ...], algorithm: str) -> tuple[int, ...]:
-    axis_sizes = sizes[0] if len(sizes) == 1 else sizes
-    return tuple(state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets)
-
-
-def _zero_servers(plan: Plan, sizes, algorithm: str) -> tuple:
-    """Zero server residuals; where the axes are not bound (``tx.init``
-    outside the mapped function, or ``jax.eval_shape`` of it), empty rows
-    that ``update`` rejects with a message saying how to create the state."""
-    if sizes is None:
-        return tuple(jnp.zeros((1, 0), jnp.float32) for _ in plan.buckets)
-    return tuple(jnp.zeros((1, m), jnp.float32) for m in _server_sizes(plan, sizes, algorithm))
-
-
-def _read_servers(plan: Plan, servers, sizes, algorithm: str) -> list:
-    """This device's server residual of every bucket, checked."""
-    want = _server_sizes(plan, sizes, algorithm)
-    got = (
-        tuple(tuple(getattr(s, "shape", ())) for s in servers)
-        if isinstance(servers, tuple)
-        else None
-    )
-    if got is None or len(got) != len(want):
-        raise ValueError(
-            f"{_WHO}: the state holds {len(servers) if got is not None else 'no'} server "
-            f"residuals, but this step has {len(want)} compressed buckets: was the state "
-            "initialized with other parameters, codecs, fusion_bytes or min_compress_size, "
-            "or with server_error_feedback=False?"
-        )
-    for b, m, shape, s in zip(plan.buckets, want, got, servers, strict=True):
-        if shape == (1, 0) and m:
-            raise ValueError(
-                f"{_WHO}: the state's server residuals are empty: it was initialized outside "
-                "the mapped function, where the number of devices is unknown. Create it with "
-                "jc.optax.init(tx, params, mesh, axis_name) under jax.shard_map, or "
-                "jax.pmap(tx.init, axis_name=...) under jax.pmap."
-            )
-        if len(shape) == 2 and shape[0] != 1 and shape[1] == m:
-            raise _replicated_error(f"the server residual of the bucket of {b.codec!r}", shape[0])
-        if shape != (1, m) or s.dtype != jnp.float32:
-            raise ValueError(
-                f"{_WHO}: the state's server residual for the bucket of {b.codec!r} "
-                f"({b.size} values) has shape {shape}, expected (1, {m}) for "
-                f"algorithm={algorithm!r} on axes of sizes {sizes}: the server residuals "
-                "depend on the fused buckets, the algorithm and the number of devices, so "
-                "restore a state under the same fusion_bytes, codec policy, algorithm and "
-                "mesh (the per-leaf residuals do not)"
-            )
-    return tuple(s[0] for s in servers)
-
-
-# ---------------------------------------------------------------------------
-# The transformation
-# ---------------------------------------------------------------------------
-def compress_gradients(
+def compress_gradients(  # long: the public docstring; the body builds the config
     codec: Policy,
     axis_name: str | tuple[str, str],
     *,
@@ -428,88 +307,17 @@ def compress_gradients(
       An ``optax.GradientTransformation`` whose state is a
       :class:`CompressState`.
     """
-    on_nonfinite = check_nonfinite(_WHO, on_nonfinite)
-    fusion_bytes, min_compress_size, residual_dtype = _check_options(
-        algorithm, fusion_bytes, min_compress_size, warmup_steps, residual_dtype
+    config = CommConfig(
+        axis_name,
+        algorithm=algorithm,
+        fusion_bytes=fusion_bytes,
+        min_compress_size=min_compress_size,
+        warmup_steps=warmup_steps,
+        error_feedback=error_feedback,
+        server_error_feedback=server_error_feedback,
+        residual_dtype=residual_dtype,
+        residual_norm=residual_norm,
+        on_nonfinite=on_nonfinite,
+        seed=seed,
     )
-    if is_codec_like(codec):  # a spec string or a codec class: read it now, errors included
-        codec = as_codec(codec, _WHO)
-    error_feedback, residual_norm = bool(error_feedback), bool(residual_norm)
-    two_level = error_feedback and bool(server_error_feedback)
-    no_warmup = isinstance(warmup_steps, (int, np.integer)) and warmup_steps == 0
-
-    def plan_for(tree) -> Plan:
-        return make_plan(
-            codec, tree, min_compress_size=min_compress_size, fusion_bytes=fusion_bytes
-        )
-
-    def init_fn(params) -> CompressState:
-        plan = plan_for(gradient_shapes(params))
-        records = INIT_RECORDS.get()
-        if records is not None:
-            records.append(coarse_for_adam(plan))
-        return CompressState(
-            step=jnp.zeros((), jnp.int32),
-            key=jax.random.key_data(jax.random.key(seed)),
-            residuals=_zero_residuals(plan, residual_dtype) if error_feedback else (),
-            server_residuals=(
-                _zero_servers(plan, _axis_sizes_or_none(axis_name), algorithm) if two_level else ()
-            ),
-            telemetry=zero_telemetry(),
-        )
-
-    def update_fn(grads, state: CompressState, params=None):
-        del params
-        if not isinstance(state, CompressState):
-            raise TypeError(f"{_WHO}: update got a {type(state).__name__}, not a CompressState")
-        plan = plan_for(grads)
-        sizes = _bound_axis_sizes(axis_name)
-        axes = axis_name if len(sizes) == 1 else tuple(axis_name)
-        if error_feedback:
-            _warn_unsafe(plan, algorithm)
-        leaves = plan.treedef.flatten_up_to(grads)
-        old = [None] * len(leaves)
-        if error_feedback:
-            old = _read_residuals(plan, state.residuals, residual_dtype)
-        servers = None
-        if two_level:
-            servers = _read_servers(plan, state.server_residuals, sizes, algorithm)
-        next_key, step_key = jax.random.split(jax.random.wrap_key_data(state.key))
-        in_warmup = state.step < warmup_steps
-
-        accs = pack(plan, leaves, old)
-        warmup = None if no_warmup else in_warmup
-        means, sent, new_servers = reduce(
-            plan, accs, axes, key=step_key, algorithm=algorithm, warmup=warmup, servers=servers
-        )
-        out = unpack(plan, leaves, accs, means, sent, residual_dtype if error_feedback else None)
-
-        # Identical on every device, as the means are; and a non-finite value
-        # in any device's acc reaches the mean for every codec (decoding
-        # multiplies by a scale computed from it, or sends it) and algorithm:
-        # tests/test_nonfinite.py checks both.
-        ok = all_finite(means)
-        keep = ok & out.residuals_finite
-        if two_level:
-            keep = keep & all_finite(new_servers)
-            server_residuals = tuple(
-                jnp.where(keep, n[None], o)
-                for o, n in zip(state.server_residuals, new_servers, strict=True)
-            )
-        residuals = ()
-        if error_feedback:
-            residuals = _write_residuals(plan, state.residuals, out.residuals, keep)
-        norm = global_norm(residuals, axes) if residual_norm else jnp.zeros((), jnp.float32)
-        updates = out.updates
-        if on_nonfinite == "skip":
-            updates = [zero_unless(ok, u) for u in updates]
-        skipped = count_skipped(state.telemetry, ok)
-        return plan.treedef.unflatten(updates), CompressState(
-            step=jnp.where(ok, state.step + 1, state.step),
-            key=jnp.where(ok, jax.random.key_data(next_key), state.key),
-            residuals=residuals,
-            server_residuals=server_residuals if two_level else (),
-            telemetry=step_telemetry(plan, sizes, algorithm, in_warmup, norm, skipped),
-        )
-
-    return optax.GradientTransformation(init_fn, update_fn)
+    return compressed_mean(resolve_policy(codec, config.who), config)

@@ -1,0 +1,89 @@
+"""Decoding received and own payloads to float32, as the collectives do it.
+
+Payloads travel as :class:`~jaxcomp.Payload` objects whose arrays may carry
+leading axes (one per stacked tensor); the metadata describes one tensor.
+Everything here reads the codec protocol (:mod:`jaxcomp.codecs.base`), never
+a particular codec; which implementation runs is decided in
+:mod:`jaxcomp.ops._dispatch`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomp.codecs.base import Codec
+from jaxcomp.ops._dispatch import choose_path
+from jaxcomp.payload import Payload
+
+
+def fused_backend(codec: Codec) -> str:
+    """The backend the collectives decode ``codec``'s payloads with:
+    "fused" where its decode is element-wise (``Codec.elementwise_decode``),
+    "auto" (the kernel) otherwise.
+
+    "fused" is the pure-JAX twin wherever it is faster than writing a
+    full-size float32 tensor that is read again (GPUs, and platforms
+    without kernels): XLA fuses the decode into what consumes it (a sum
+    over the received payloads, the residual update, the split into
+    leaves). On the CPU it is the kernel (:func:`jaxcomp.ops._dispatch.
+    dispatch` says why). The twin gives the kernel's bits (the contract
+    suite checks it); fused, XLA may contract a decoded product and the add
+    it feeds into one FMA, so sums and residuals can differ from the
+    kernel path's in the last bit, never more (every device runs the same
+    program, so the result is still identical on every device)."""
+    return "fused" if codec.elementwise_decode else "auto"
+
+
+def decode_f32(payload: Payload, *, fused: bool = False) -> jax.Array:
+    """One tensor's payload decoded, flat, in float32: with ``fused``, by
+    :func:`fused_backend`; else by the kernel where there is one."""
+    backend = fused_backend(payload.codec) if fused else "auto"
+    return payload.codec.decode(payload, backend=backend).reshape(-1).astype(jnp.float32)
+
+
+def decode_own(payload: Payload) -> jax.Array:
+    """A payload this device made, decoded (flat, float32) for what it
+    keeps: ``sent``, or a server residual ``target - decoded``. Fused
+    (:func:`fused_backend`): on GPUs XLA fuses the decode into the residual
+    update, so error feedback costs one pass over the gradient instead of a
+    full-size decoded tensor written and read again."""
+    return decode_f32(payload, fused=True)
+
+
+def decode_rows(payload: Payload, *, fused: bool = False) -> jax.Array:
+    """Stacked payloads (one leading axis) of ``n`` values each -> float32
+    ``[rows, n]``: one decode of the joined payload where the codec splits
+    at ``n``, else one batched decode."""
+    codec, n = payload.codec, payload.size
+    rows = next(iter(payload.arrays.values())).shape[0]
+    g = codec.split_granularity()
+    if g and n % g == 0:
+        joined = payload.map(lambda a: a.reshape(rows * a.shape[1], *a.shape[2:]))
+        joined = Payload(codec, (rows * n,), payload.dtype, joined.arrays)
+        return decode_f32(joined, fused=fused).reshape(rows, n)
+    return jax.vmap(lambda p: decode_f32(p, fused=fused))(payload)
+
+
+def decode_sum(payload: Payload) -> jax.Array:
+    """Stacked payloads (one leading axis) decoded and summed in row order
+    (float32), writing only the sum, not a float32 row per device: through
+    the codec's decode-and-accumulate kernel where it has one
+    (``Codec.decode_sum_kernel``) and kernels run here, else fused (on
+    GPUs, an element-wise twin decode fused into the sum, one pass)."""
+    codec = payload.codec
+
+    def fused_rows():
+        return ordered_sum(decode_rows(payload, fused=True))
+
+    if not (codec.decode_sum_kernel and payload.dtype == jnp.float32):
+        return fused_rows()
+    return choose_path("auto", lambda b: codec.decode_sum(payload, backend=b), fused_rows)()
+
+
+def ordered_sum(rows: jax.Array) -> jax.Array:
+    """Sum over the leading axis, left to right: the same order everywhere."""
+    total = rows[0]
+    for i in range(1, rows.shape[0]):
+        total = total + rows[i]
+    return total
