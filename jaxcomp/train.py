@@ -354,13 +354,19 @@ _CLEAN = (False, frozenset())
 def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
     """Raises if ``tx.update`` would leave a replicated output (an update,
     or a state leaf laid out as replicated) that depends on this device's
-    gradient without passing through a collective over every data axis.
+    gradient without passing through a collective over every data axis
+    of more than one device (a one-device mesh, a GPU's, has nothing to
+    average, and jaxcomp's all-reduce over it moves nothing).
 
     Called inside the step's ``shard_map``, where the axes are bound: it
     traces ``tx.update`` once more into a jaxpr and follows each value's
     dependencies (:func:`_flow`). ``check_vma`` cannot say it: jaxcomp's
     all-reduce ends in all_gathers that JAX types as per-device.
     """
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    axes = {a for a in names if lax.axis_size(a) > 1}  # one device: nothing to average
+    if not axes:
+        return
     closed, (updates, state) = jax.make_jaxpr(tx.update, return_shape=True)(
         grads, opt_state, params
     )
@@ -376,7 +382,6 @@ def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
         ("opt_state" + jax.tree_util.keystr(k), s)
         for (k, _), s in zip(_with_path(state), specs, strict=True)
     ]
-    axes = set(axis_name) if isinstance(axis_name, (tuple, list)) else {axis_name}
     for (name, spec), (local, reduced) in zip(named, outs, strict=True):
         if spec == P() and local and not axes <= reduced:
             raise ValueError(_not_reduced_message(name, axis_name, axes - reduced))

@@ -123,6 +123,27 @@ def test_data_parallel_refuses_a_chain_without_all_reduce():
     assert "jc.optax.compress_gradients(codec, 'data')" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.adam(1e-3),
+        optax.chain(jc.optax.compress_gradients("qsgd:bits=4", "data"), optax.sgd(0.1)),
+    ],
+    ids=["adam", "qsgd"],
+)
+def test_a_one_device_mesh_needs_no_all_reduce(tx):
+    """One device (a one-GPU machine): nothing to average, so no chain is
+    refused, and a compressed chain runs though its all-reduce moves nothing."""
+    mesh = jax.make_mesh(
+        (1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+    params0, batch = _problem()
+    step = jc.data_parallel(mlp_loss, tx, mesh)
+    params, opt_state = step.init(params0)
+    params, opt_state, loss = step(params, opt_state, batch)
+    assert np.isfinite(float(loss))
+
+
 def _one_leaf_unreduced():
     return optax.multi_transform(
         {"reduced": optax.chain(jc.optax.pmean("data"), optax.sgd(0.1)), "plain": optax.sgd(0.1)},
