@@ -162,6 +162,13 @@ def _import(module: str):
             f"install the package from this checkout ({_HOW.get(module, 'pip install .')})"
         )
         return None
+    return _matching_build(module, root, candidates)
+
+
+def _matching_build(module: str, root, candidates):
+    """The first of the installed builds ``candidates`` compiled from the
+    checkout's kernel sources, registered as this package's; None, with the
+    reason in _WHY_NOT, where none was."""
     want = kernel_sources_hash(root)
     for path in candidates:
         try:
