@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -48,8 +48,8 @@ class Axes:
         """The axes ``axis_name`` names (one name, or ``(slow, fast)``
         names), with their sizes where this is traced; a clear error names
         an axis that is not bound here."""
-        names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-        return cls(tuple(_bound_size(name, who) for name in names), names)
+        names = names_of(axis_name)
+        return cls(tuple(bound_size(name, lambda a: _unbound(a, who)) for name in names), names)
 
     @property
     def hierarchical(self) -> bool:
@@ -92,14 +92,26 @@ class Axes:
         return lax.axis_index(self.name)
 
 
-def _bound_size(name: Hashable, who: str) -> int:
+def names_of(axis_name: Any) -> tuple[Hashable, ...]:
+    """``axis_name`` as a tuple of mesh axis names: one name, or a
+    ``(slow, fast)`` pair (a tuple or a list)."""
+    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def bound_size(name: Hashable, unbound: Callable[[Hashable], str]) -> int:
+    """The size of the mesh axis ``name`` where this is traced, or a
+    ValueError of ``unbound(name)`` followed by the axes that are bound."""
     try:
         return int(lax.axis_size(name))
     except NameError as e:
-        raise ValueError(
-            f"{who}: axis name {name!r} is not bound here; call it inside jax.shard_map "
-            "or jax.pmap over a mesh axis of that name." + describe_bound_axes()
-        ) from e
+        raise ValueError(unbound(name) + describe_bound_axes()) from e
+
+
+def _unbound(name: Hashable, who: str) -> str:
+    return (
+        f"{who}: axis name {name!r} is not bound here; call it inside jax.shard_map "
+        "or jax.pmap over a mesh axis of that name."
+    )
 
 
 def bound_axes() -> dict[str, int] | None:

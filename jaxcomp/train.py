@@ -40,6 +40,7 @@ from jax.extend.core import Literal
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxcomp._axes import names_of
 from jaxcomp.optax import init as init_state
 from jaxcomp.optax._state import check_laid_out, partition_specs
 
@@ -363,8 +364,9 @@ def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
     dependencies (:func:`_flow`). ``check_vma`` cannot say it: jaxcomp's
     all-reduce ends in all_gathers that JAX types as per-device.
     """
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-    axes = {a for a in names if lax.axis_size(a) > 1}  # one device: nothing to average
+    axes = {
+        a for a in names_of(axis_name) if lax.axis_size(a) > 1
+    }  # one device: nothing to average
     if not axes:
         return
     closed, (updates, state) = jax.make_jaxpr(tx.update, return_shape=True)(
@@ -483,7 +485,7 @@ def _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps) -> tuple:
             f"jc.data_parallel: mesh must be a jax.sharding.Mesh (jax.make_mesh((8,), "
             f"('data',))), got {type(mesh).__name__}"
         )
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    axes = names_of(axis_name)
     unknown = [a for a in axes if a not in mesh.axis_names]
     if unknown or not axes:
         raise ValueError(

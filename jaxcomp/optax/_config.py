@@ -10,9 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from jaxcomp._axes import describe_bound_axes
+from jaxcomp._axes import bound_size, names_of
 from jaxcomp.collectives import ALGORITHMS
 
 COMPRESS = "jc.optax.compress_gradients"
@@ -28,26 +27,18 @@ DEFAULT_MIN_COMPRESS_SIZE = 1024
 NONFINITE_MODES = ("pass", "skip")
 
 
-def axis_names(axis_name) -> tuple:
-    """``axis_name`` as a tuple of mesh axis names (one, or a ``(slow, fast)`` pair)."""
-    return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
-
-
 def bound_axis_sizes(axis_name, who: str = COMPRESS) -> tuple[int, ...]:
     """The sizes of the mapped axes ``axis_name``, or an error (from ``who``)
     that says how to bind them."""
-    sizes = []
-    for a in axis_names(axis_name):
-        try:
-            sizes.append(int(lax.axis_size(a)))
-        except NameError as e:
-            raise ValueError(
-                f"{who}: update must run inside jax.shard_map or jax.pmap over the axis "
-                f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
-                "train step (see docs/training.md), or pass the axis_name of your mesh / pmap."
-                + describe_bound_axes()
-            ) from e
-    return tuple(sizes)
+
+    def unbound(a):
+        return (
+            f"{who}: update must run inside jax.shard_map or jax.pmap over the axis "
+            f"{a!r}, which is not bound here. Put the optimizer update inside the mapped "
+            "train step (see docs/training.md), or pass the axis_name of your mesh / pmap."
+        )
+
+    return tuple(bound_size(a, unbound) for a in names_of(axis_name))
 
 
 def axis_sizes_or_none(axis_name) -> tuple[int, ...] | None:

@@ -28,8 +28,9 @@ import numpy as np
 import optax
 from jax import lax
 
+from jaxcomp._axes import names_of
 from jaxcomp.collectives import after, uncompressed_send_nbytes
-from jaxcomp.optax._config import CommConfig, axis_names, bound_axis_sizes
+from jaxcomp.optax._config import CommConfig, bound_axis_sizes
 from jaxcomp.optax._plan import Policy, has_residual
 from jaxcomp.optax._state import all_reduce_state, check_type, read_factors
 from jaxcomp.optax._step import all_finite, nonfinite_updates
@@ -257,11 +258,11 @@ class PowerSGD:
 
     @property
     def slow(self):
-        return axis_names(self.config.axis_name)[0]
+        return names_of(self.config.axis_name)[0]
 
     @property
     def fast(self):
-        names = axis_names(self.config.axis_name)
+        names = names_of(self.config.axis_name)
         return names[1] if len(names) == 2 else None
 
     def transformation(self) -> optax.GradientTransformation:
@@ -487,7 +488,7 @@ def powersgd(  # long: the public docstring; the body checks the options
         seed=seed,
         who=_WHO,
     )
-    names = axis_names(axis_name)
+    names = names_of(axis_name)
     if len(names) not in (1, 2):
         raise ValueError(f"{_WHO}: axis_name must be one axis or a (slow, fast) pair")
     inner = None
