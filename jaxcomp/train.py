@@ -255,6 +255,13 @@ class DataParallel:
         loss, aux = out if self.has_aux else (out, None)
         return loss, (aux, new_rest)
 
+    def _lay_out_batch(self, x):
+        """``x`` sharded as ``batch_sharding``, inside the jitted step."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        if all(types[a] == jax.sharding.AxisType.Explicit for a in self._axes):
+            return jax.sharding.reshard(x, self.batch_sharding)
+        return lax.with_sharding_constraint(x, self.batch_sharding)
+
     def _build(self):
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
 
@@ -279,6 +286,10 @@ class DataParallel:
 
         def step(params, opt_state, batch, rest, *key):
             state_specs = partition_specs(opt_state, self.axis_name)
+            # A batch laid out otherwise (a host array, say) is resharded here:
+            # shard_map takes it as is on a mesh of Auto axes, but refuses a
+            # mismatch on Explicit ones (jax.make_mesh's default).
+            batch = jax.tree.map(self._lay_out_batch, batch)
             f = jax.shard_map(
                 local,
                 mesh=self.mesh,

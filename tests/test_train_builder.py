@@ -187,6 +187,30 @@ def test_hierarchical_mesh_equals_the_hand_written_step():
     _assert_trees_equal(opt_state, s2)
 
 
+@pytest.mark.parametrize("axes", ["data", ("slow", "fast")], ids=["flat", "hierarchical"])
+def test_explicit_mesh_and_host_batch_train_as_on_an_auto_mesh(axes):
+    """jax.make_mesh's default axes are Explicit, where shard_map refuses an
+    input not already laid out as its in_specs say: the step reshards the
+    batch (a host NumPy array here) itself, and trains bit for bit as on a
+    mesh of Auto axes."""
+    names = (axes,) if isinstance(axes, str) else axes
+    shape = (8,) if len(names) == 1 else (2, 4)
+    tx = optax.chain(jc.optax.compress_gradients("qsgd:bits=4", axes), optax.sgd(0.1))
+    params0, batch = _mlp()
+    host_batch = jax.tree.map(np.asarray, batch)
+    runs = []
+    for kind in (jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto):
+        mesh = jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+        step = jc.data_parallel(mlp_loss, tx, mesh, axes)
+        params, opt_state = step.init(params0)
+        for _ in range(3):
+            params, opt_state, loss = step(params, opt_state, host_batch)
+        runs.append((params, float(loss)))
+    (p_explicit, l_explicit), (p_auto, l_auto) = runs
+    assert l_explicit == l_auto
+    _assert_trees_equal(p_explicit, p_auto)
+
+
 def test_accumulation_averages_the_microbatch_gradients():
     """k microbatches of b examples are one batch of k*b: with an exact
     all-reduce (Identity), the update equals the single-batch update up to
