@@ -304,11 +304,21 @@ def test_state_layout_and_telemetry():
         ({"warmup_steps": 5, "send": "gradients"}, "send"),
         ({"warmup_steps": 5, "freeze_tolerance": 1.5}, "freeze_tolerance"),
         ({"warmup_steps": 5, "freeze_interval": 0}, "freeze_interval"),
+        # the options shared with compress_gradients, under this one's name
+        ({"warmup_steps": 5, "algorithm": "bogus"}, r"^jc\.optax\.onebit_adam: algorithm"),
+        ({"warmup_steps": 5, "fusion_bytes": 0}, r"^jc\.optax\.onebit_adam: fusion_bytes"),
     ],
 )
 def test_bad_configuration(kw, match):
     with pytest.raises(ValueError, match=match):
         jc.optax.onebit_adam(LR, AXIS, **kw)
+
+
+def test_update_outside_the_mapped_step_is_reported_under_onebit_adam():
+    tx = jc.optax.scale_by_onebit_adam(AXIS, warmup_steps=2)
+    state = tx.init(params0())
+    with pytest.raises(ValueError, match=r"^jc\.optax\.onebit_adam: update must run inside"):
+        tx.update(grads_at(0, 0), state)
 
 
 def test_a_coarse_codec_before_adam_warns_once():

@@ -285,9 +285,17 @@ def test_hierarchical_mesh_and_pmap():
         ({"rank": 0}, "rank"),
         ({"rank": 2.0}, "rank"),
         ({"min_compression_rate": -1}, "min_compression_rate"),
-        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": -1}, r"^jc\.optax\.powersgd: warmup_steps"),
+        ({"on_nonfinite": "drop"}, r"^jc\.optax\.powersgd: on_nonfinite"),
     ],
 )
 def test_bad_configuration(kw, match):
     with pytest.raises(ValueError, match=match):
         jc.optax.powersgd(AXIS, **kw)
+
+
+def test_update_outside_the_mapped_step_is_reported_under_powersgd():
+    tx = jc.optax.powersgd(AXIS)
+    state = tx.init(params0())
+    with pytest.raises(ValueError, match=r"^jc\.optax\.powersgd: update must run inside"):
+        tx.update(grads_at(0, 0), state)

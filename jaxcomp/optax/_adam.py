@@ -326,6 +326,7 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
         warmup_steps=warmup_steps,
         server_error_feedback=server_error_feedback,
         seed=seed,
+        who=_WHO,
     )
     policy = resolve_policy(codec, config.who)
     if send not in SEND_MODES:

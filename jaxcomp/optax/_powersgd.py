@@ -304,7 +304,7 @@ class PowerSGD:
         leaves' mean, feedback, telemetry."""
         del params
         check_type(state, PowerSGDState, _WHO)
-        sizes = bound_axis_sizes(self.config.axis_name)
+        sizes = bound_axis_sizes(self.config.axis_name, self.config.who)
         plan = self.plan(grads)
         old = LeafState(*read_factors(plan, state.qs, self.residuals(state), _WHO))
         leaves = self.exact_over_fast(plan, plan.treedef.flatten_up_to(grads))
