@@ -62,8 +62,55 @@ def _is_nnx_module(x) -> bool:
 
 
 class DataParallel:
-    """A compiled data-parallel train step over a mesh (see :func:`data_parallel`).
+    """A jitted data-parallel train step over ``mesh``: ``jc.data_parallel``.
 
+    ``step = jc.data_parallel(loss_fn, tx, mesh)``, then
+    ``params, opt_state = step.init(params)`` and
+    ``params, opt_state, loss = step(params, opt_state, batch)`` under plain
+    ``jax.jit`` semantics: every argument and result is a global array.
+    Inside, each device computes ``loss_fn`` and its gradient on its shard of
+    the batch, and ``tx`` (whose first element all-reduces the gradients:
+    ``jc.optax.compress_gradients``, ``onebit_adam`` or ``powersgd``, or the
+    uncompressed ``jc.optax.pmean``) updates the parameters, inside
+    ``jax.shard_map``. Besides the step itself (``__call__``) it has
+    ``init``, ``shard_batch`` and, for NNX, ``module``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch)`` or, when the step is given a key,
+        ``loss_fn(params, batch, key)``, returning the scalar loss of this
+        device's batch (a mean over its examples), or ``(loss, aux)`` with
+        ``has_aux``. With an NNX model, ``params`` is the module; the
+        non-parameter variables it sets (``nnx.BatchNorm``'s statistics)
+        are averaged over the devices after the step (the floating-point
+        ones; others, such as RNG counters, as device 0 left them) and
+        given to the next step.
+      tx: the optax chain; its all-reduce runs over ``axis_name``. The step
+        raises (at its first call) if the update does not all-reduce the
+        gradients: the replicated parameters would differ per device.
+      mesh: the device mesh; all its axes of size > 1 are data axes.
+      axis_name: the data axis, or the ``(slow, fast)`` pair of a
+        hierarchical mesh (the batch is split over both).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      accumulate_steps: split each device's batch into this many
+        microbatches and average their gradients before one update (one
+        all-reduce per step, whatever the number).
+      donate: donate the parameters and the optimizer state to the step
+        (their buffers are reused; do not use the arrays passed in after
+        the call).
+      max_in_flight: the most steps dispatched and not yet finished: before
+        a step is dispatched, the step waits for the oldest pending one's
+        loss. ``"auto"`` (the default) is 1 on a CPU mesh of several
+        devices, where XLA's collectives can abort a busy process with
+        many steps in flight (``Termination timeout for 'all reduce'``),
+        and no bound elsewhere (GPUs keep JAX's asynchronous dispatch). An
+        int >= 1 sets the bound on any platform; None lifts it. One step
+        in flight still overlaps the host's next batch with the device's
+        step; docs/training-loop.md measures what it costs.
+      require_all_reduce: refuse an update that does not all-reduce the
+        gradients (above). False lets each device apply its own gradient,
+        for what means it (timing the compute alone, as
+        benchmarks/end_to_end.py does); the parameters are then typed as
+        replicated but differ per device.
     Attributes:
       mesh: the device mesh.
       axis_name: the data-parallel axis (or the ``(slow, fast)`` pair).
@@ -71,7 +118,7 @@ class DataParallel:
         split over the data axes).
       replicated: the ``NamedSharding`` of the parameters.
       max_in_flight: the most steps dispatched and not yet finished (an
-        int), or None for no bound (see :func:`data_parallel`).
+        int), or None for no bound (above).
     """
 
     def __init__(
@@ -583,78 +630,5 @@ def _in_flight_bound(max_in_flight, mesh: Mesh, num_devices: int) -> int | None:
     return int(max_in_flight)
 
 
-def data_parallel(  # long: the public docstring; the body is one call
-    loss_fn: Callable,
-    tx: optax.GradientTransformation,
-    mesh: Mesh,
-    axis_name="data",
-    *,
-    has_aux: bool = False,
-    accumulate_steps: int = 1,
-    donate: bool = True,
-    max_in_flight: int | str | None = "auto",
-    require_all_reduce: bool = True,
-) -> DataParallel:
-    """A jitted data-parallel train step over ``mesh``.
-
-    ``step = jc.data_parallel(loss_fn, tx, mesh)``, then
-    ``params, opt_state = step.init(params)`` and
-    ``params, opt_state, loss = step(params, opt_state, batch)`` under plain
-    ``jax.jit`` semantics: every argument and result is a global array.
-    Inside, each device computes ``loss_fn`` and its gradient on its shard of
-    the batch, and ``tx`` (whose first element all-reduces the gradients:
-    ``jc.optax.compress_gradients``, ``onebit_adam`` or ``powersgd``, or the
-    uncompressed ``jc.optax.pmean``) updates the parameters, inside
-    ``jax.shard_map``.
-
-    Args:
-      loss_fn: ``loss_fn(params, batch)`` or, when the step is given a key,
-        ``loss_fn(params, batch, key)``, returning the scalar loss of this
-        device's batch (a mean over its examples), or ``(loss, aux)`` with
-        ``has_aux``. With an NNX model, ``params`` is the module; the
-        non-parameter variables it sets (``nnx.BatchNorm``'s statistics)
-        are averaged over the devices after the step (the floating-point
-        ones; others, such as RNG counters, as device 0 left them) and
-        given to the next step.
-      tx: the optax chain; its all-reduce runs over ``axis_name``. The step
-        raises (at its first call) if the update does not all-reduce the
-        gradients: the replicated parameters would differ per device.
-      mesh: the device mesh; all its axes of size > 1 are data axes.
-      axis_name: the data axis, or the ``(slow, fast)`` pair of a
-        hierarchical mesh (the batch is split over both).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``.
-      accumulate_steps: split each device's batch into this many
-        microbatches and average their gradients before one update (one
-        all-reduce per step, whatever the number).
-      donate: donate the parameters and the optimizer state to the step
-        (their buffers are reused; do not use the arrays passed in after
-        the call).
-      max_in_flight: the most steps dispatched and not yet finished: before
-        a step is dispatched, the step waits for the oldest pending one's
-        loss. ``"auto"`` (the default) is 1 on a CPU mesh of several
-        devices, where XLA's collectives can abort a busy process with
-        many steps in flight (``Termination timeout for 'all reduce'``),
-        and no bound elsewhere (GPUs keep JAX's asynchronous dispatch). An
-        int >= 1 sets the bound on any platform; None lifts it. One step
-        in flight still overlaps the host's next batch with the device's
-        step; docs/training-loop.md measures what it costs.
-      require_all_reduce: refuse an update that does not all-reduce the
-        gradients (above). False lets each device apply its own gradient,
-        for what means it (timing the compute alone, as
-        benchmarks/end_to_end.py does); the parameters are then typed as
-        replicated but differ per device.
-    Returns:
-      A :class:`DataParallel`: ``init``, the step itself, ``shard_batch``
-      and, for NNX, ``module``.
-    """
-    return DataParallel(
-        loss_fn,
-        tx,
-        mesh,
-        axis_name,
-        has_aux=has_aux,
-        accumulate_steps=accumulate_steps,
-        donate=donate,
-        max_in_flight=max_in_flight,
-        require_all_reduce=require_all_reduce,
-    )
+# The function-style name that the docs use: the class is the step.
+data_parallel = DataParallel

@@ -335,6 +335,9 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
     return onebit_transformation(policy, config, send, adam, rule)
 
 
+# The parameter list repeats scale_by_onebit_adam's, as optax.adam repeats
+# scale_by_adam's: optax.inject_hyperparams finds the hyperparameters it can
+# schedule in this function's own signature.
 def onebit_adam(  # long: the public signature and docstring; the body is a chain
     learning_rate: optax.ScalarOrSchedule,
     axis_name: str | tuple[str, str],
