@@ -427,10 +427,11 @@ def launch(
             cmd.append("--twins")
         if args.steps:
             cmd += ["--steps", "--step-codecs", *args.step_codecs]
-        # The installed jaxcomp, not the checkout: a source tree without an
-        # in-tree build has no kernels, and would silently time the twins.
+        # The workers import jaxcomp as this process would: the installed
+        # package, or with PYTHONPATH a checkout, which loads the installed
+        # kernels built from its sources (jaxcomp/_ffi.py); a worker without
+        # kernels refuses to time the twins in their place.
         env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-        env.pop("PYTHONPATH", None)
         procs.append(
             subprocess.Popen(
                 cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
