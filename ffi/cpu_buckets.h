@@ -50,6 +50,21 @@ inline void store_any(DType t, const float* buf, int64_t start, int64_t valid, v
   }
 }
 
+// acc = float32(x) + residual over one bucket (one float32 add per element),
+// zero past the tensor's end: the input of error feedback's compression.
+inline void load_sum(DType t, const void* x, const float* residual, int64_t start, int64_t valid, int B,
+                     float* buf) {
+  load_any(t, x, start, valid, B, buf);
+  for (int64_t i = 0; i < valid; ++i) buf[i] += residual[start + i];
+}
+
+// The new residual of one bucket: acc - decoded, the decoded values as the
+// decoders write them (the NaN rule of common.h).
+inline void store_residual(const float* acc, const float* decoded_values, int64_t start, int64_t valid,
+                           float* out) {
+  for (int64_t i = 0; i < valid; ++i) out[start + i] = acc[i] - canonical_nan(decoded_values[i]);
+}
+
 inline float max_abs(const float* buf, int B) {
   uint32_t m = 0;
   for (int i = 0; i < B; ++i) m = std::max(m, abs_bits(buf[i]));
@@ -178,6 +193,20 @@ struct PairEncodeArgs {
   Side* side;
 };
 
+// Fused error feedback: x and the residual -> (codes, side) and the new
+// residual.
+template <typename Codes, typename Side>
+struct PairFeedbackArgs {
+  DType dtype;
+  const void* x;
+  const float* residual;
+  int64_t n;
+  int bucket;
+  Codes* codes;
+  Side* side;
+  float* out;
+};
+
 template <typename Codes, typename Side>
 struct PairDecodeArgs {
   DType dtype;
@@ -194,12 +223,19 @@ struct CpuPairHandlers : PairHandlers<CpuPlatform, kCodes, kSide> {
   using Side = ffi::NativeType<kSide>;
   using EncodeArgs = PairEncodeArgs<Codes, Side>;
   using DecodeArgs = PairDecodeArgs<Codes, Side>;
+  using FeedbackArgs = PairFeedbackArgs<Codes, Side>;
 
   // The loops over the buckets [b0, b1) of one tensor, run over all its
   // buckets by for_buckets; bucket_size is the only attribute.
   template <void (*kLoop)(const EncodeArgs&, int64_t, int64_t)>
   static void encode_buckets(Runner& r, DType dt, const void* x, int64_t n, Codes* codes, Side* side, int64_t bucket) {
     for_buckets(r, EncodeArgs{dt, x, n, static_cast<int>(bucket), codes, side}, kLoop);
+  }
+
+  template <void (*kLoop)(const FeedbackArgs&, int64_t, int64_t)>
+  static void feedback_buckets(Runner& r, DType dt, const void* x, const float* residual, int64_t n, Codes* codes,
+                               Side* side, float* out, int64_t bucket) {
+    for_buckets(r, FeedbackArgs{dt, x, residual, n, static_cast<int>(bucket), codes, side, out}, kLoop);
   }
 
   template <void (*kLoop)(const DecodeArgs&, int64_t, int64_t)>

@@ -259,6 +259,9 @@ struct Handler<kTarget, kImpl, ffi::Error (*)(P...)> {
 //           check(dtype, n, [seed words,] codes, side, attributes...)
 //   decode: fn(work, dtype, codes, side, n, out, attributes...)
 //           check(dtype, n, codes, side, attributes...)
+//   feedback (fused error feedback, CPU): fn(work, dtype, x, residual, n,
+//           [seed,] codes, side, new_residual, attributes...), with the
+//           encoder's check
 // (counts of elements in the checks). The attributes are the target's, in
 // its order: the handler (Handler) takes what fn takes after its buffers, and
 // an encoder with a seed operand takes its two words after n. E.g.
@@ -327,11 +330,63 @@ struct PairHandlers {
     }
   };
 
+  template <auto kCheck, auto kFn, typename Fn = decltype(kFn)>
+  struct Feedback {
+    static_assert(sizeof(Fn) == 0,
+                  "a fused error-feedback encoder is fn(work, dtype, x, residual, n, codes, side, new_residual, "
+                  "attributes...)");
+  };
+
+  // (x, residual) -> (codes, side, new residual): error feedback in one pass,
+  // the payload of acc = float32(x) + residual and acc - decode(payload).
+  template <auto kCheck, auto kFn, typename... A>
+  struct Feedback<kCheck, kFn, void (*)(Work, DType, const void*, const float*, int64_t, Codes*, Side*, float*, A...)> {
+    static ffi::Error impl(Context ctx, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> residual,
+                           ffi::ResultBuffer<kCodes> codes, ffi::ResultBuffer<kSide> side,
+                           ffi::ResultBuffer<ffi::F32> out, A... attrs) {
+      const Batch<5> b(x, residual, *codes, *side, *out);
+      const DType dt = dtype_of(x.element_type());
+      const int64_t n = b.count(0);
+      Platform::hint(out->untyped_data(), out->size_bytes());
+      const char* error = b.count(1) != n || b.count(4) != n
+                              ? "the residual and the new residual must have the gradient's size"
+                              : kCheck(dt, n, b.count(2), b.count(3), attrs...);
+      return Platform::run(ctx, b, error, n, [&](int64_t i, Work w) {
+        kFn(w, dt, b.at<void>(0, i), b.at<const float>(1, i), n, b.at<Codes>(2, i), b.at<Side>(3, i),
+            b.at<float>(4, i), attrs...);
+      });
+    }
+  };
+
+  // (x, residual, seed) -> (codes, side, new residual)
+  template <auto kCheck, auto kFn, typename... A>
+  struct Feedback<kCheck, kFn,
+                  void (*)(Work, DType, const void*, const float*, int64_t, const uint32_t*, Codes*, Side*, float*,
+                           A...)> {
+    static ffi::Error impl(Context ctx, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> residual, ffi::Buffer<ffi::U32> seed,
+                           ffi::ResultBuffer<kCodes> codes, ffi::ResultBuffer<kSide> side,
+                           ffi::ResultBuffer<ffi::F32> out, A... attrs) {
+      const Batch<6> b(x, residual, seed, *codes, *side, *out);
+      const DType dt = dtype_of(x.element_type());
+      const int64_t n = b.count(0);
+      Platform::hint(out->untyped_data(), out->size_bytes());
+      const char* error = b.count(1) != n || b.count(5) != n
+                              ? "the residual and the new residual must have the gradient's size"
+                              : kCheck(dt, n, b.count(2), b.count(3), b.count(4), attrs...);
+      return Platform::run(ctx, b, error, n, [&](int64_t i, Work w) {
+        kFn(w, dt, b.at<void>(0, i), b.at<const float>(1, i), n, b.at<const uint32_t>(2, i), b.at<Codes>(3, i),
+            b.at<Side>(4, i), b.at<float>(5, i), attrs...);
+      });
+    }
+  };
+
   // The implementations, for JAXCOMP_REGISTER.
   template <auto kCheck, auto kFn>
   static constexpr auto encode = &Encode<kCheck, kFn>::impl;
   template <auto kCheck, auto kFn>
   static constexpr auto decode = &Decode<kCheck, kFn>::impl;
+  template <auto kCheck, auto kFn>
+  static constexpr auto feedback = &Feedback<kCheck, kFn>::impl;
 };
 
 }  // namespace jaxcomp

@@ -1,5 +1,5 @@
-// QSGD on the CPU: the handlers of kQsgdEncode, kQsgdDecode and
-// kQsgdDecodeSum. The targets, bodies, sizes and checks in
+// QSGD on the CPU: the handlers of kQsgdEncode, kQsgdDecode, kQsgdDecodeSum
+// and kQsgdEncodeFeedback. The targets, bodies, sizes and checks in
 // include/jaxcomp/qsgd.h; twin in jaxcomp/codecs/qsgd.py.
 //
 // The loops run over whole buckets, branch-free so that they vectorize, in
@@ -174,43 +174,70 @@ JC_AVX2 __attribute__((noinline)) void decode_bucket(const uint8_t* in, float sc
 }  // namespace avx2
 #endif
 
+// Encode of one bucket's float32 values buf[0..B), whose first element is
+// element `base` of the tensor, by the portable loop; tmp and codes are
+// B-sized scratch.
+template <int BITS>
+inline void encode_bucket_portable(const EncodeArgs& a, const float* buf, uint32_t base, float* tmp,
+                                   uint8_t* codes, uint8_t* out, float* scale_out) {
+  const int B = a.bucket;
+  const int s = (1 << (BITS - 1)) - 1;
+  float scale;
+  if (a.l2) {
+    for (int i = 0; i < B; ++i) tmp[i] = exact_square(buf[i]);
+    scale = sqrtf(cpu::tree_sum(tmp, B));
+  } else {
+    scale = cpu::max_abs(buf, B);
+  }
+  *scale_out = scale;
+  const float inv = qsgd_inv(scale, s);
+  for (int i = 0; i < B; ++i)
+    codes[i] =
+        static_cast<uint8_t>(qsgd_code(buf[i], inv, s, BITS, rng_uniform(a.k0, a.k1, base + static_cast<uint32_t>(i))));
+  cpu::pack_bucket<BITS>(codes, B, out);
+}
+
+// The scratch of the encode loops: one bucket's float32 values and squares,
+// its codes, the AVX2 path's vectors and the key words mixed once.
+struct EncodeScratch {
+  EncodeScratch(const EncodeArgs& a, bool avx2)
+      : buf(a.bucket),
+        tmp(a.bucket),
+        codes(a.bucket),
+#if JC_CPU_AVX2
+        vectors(avx2 ? a.bucket / 8 : 0),
+#endif
+        ka(mix32(a.k0)),
+        kb(mix32(a.k1 ^ mix32(a.k0))) {
+    (void)avx2;
+  }
+  std::vector<float> buf, tmp;
+  std::vector<uint8_t> codes;
+#if JC_CPU_AVX2
+  cpu::avx2::Scratch vectors;
+#endif
+  uint32_t ka, kb;
+};
+
 // Buckets [b0, b1); with AVX2, full float32 buckets take the AVX2 path.
 template <int BITS, bool AVX2>
 void encode_buckets_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
   const int B = a.bucket;
-  const int s = (1 << (BITS - 1)) - 1;
-  std::vector<float> buf(B), tmp(B);
-  std::vector<uint8_t> codes(B);
-#if JC_CPU_AVX2
-  cpu::avx2::Scratch scratch(AVX2 ? B / 8 : 0);
-  const uint32_t ka = mix32(a.k0), kb = mix32(a.k1 ^ mix32(a.k0));
-#endif
+  EncodeScratch t(a, AVX2);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * B;
     const int64_t valid = std::min<int64_t>(B, a.n - start);
     uint8_t* out = a.packed + b * (B / 8) * BITS;
 #if JC_CPU_AVX2
     if (AVX2 && a.dtype == DType::kF32 && valid == B) {
-      avx2::encode_bucket<BITS>(static_cast<const float*>(a.x) + start, B, a.l2, ka, kb, static_cast<uint32_t>(start),
-                                out, a.scales + b, scratch.data());
+      avx2::encode_bucket<BITS>(static_cast<const float*>(a.x) + start, B, a.l2, t.ka, t.kb,
+                                static_cast<uint32_t>(start), out, a.scales + b, t.vectors.data());
       continue;
     }
 #endif
-    cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
-    float scale;
-    if (a.l2) {
-      for (int i = 0; i < B; ++i) tmp[i] = exact_square(buf[i]);
-      scale = sqrtf(cpu::tree_sum(tmp.data(), B));
-    } else {
-      scale = cpu::max_abs(buf.data(), B);
-    }
-    a.scales[b] = scale;
-    const float inv = qsgd_inv(scale, s);
-    const uint32_t base = static_cast<uint32_t>(start);
-    for (int i = 0; i < B; ++i)
-      codes[i] = static_cast<uint8_t>(
-          qsgd_code(buf[i], inv, s, BITS, rng_uniform(a.k0, a.k1, base + static_cast<uint32_t>(i))));
-    cpu::pack_bucket<BITS>(codes.data(), B, out);
+    cpu::load_any(a.dtype, a.x, start, valid, B, t.buf.data());
+    encode_bucket_portable<BITS>(a, t.buf.data(), static_cast<uint32_t>(start), t.tmp.data(), t.codes.data(), out,
+                                 a.scales + b);
   }
 }
 
@@ -246,6 +273,53 @@ struct DecodeScratch {
   std::vector<float> values;
   std::vector<uint8_t> codes;
 };
+
+// Error feedback in one pass over buckets [b0, b1): each bucket's acc =
+// f32(x) + residual, encoded as encode_buckets_t encodes a float32 tensor
+// (the AVX2 path for full buckets), decoded as decode_buckets_t decodes it,
+// and acc - decoded written out; acc and the decoded values stay in cache.
+struct FeedbackArgs {
+  EncodeArgs enc;  // x, n, the attributes, the key, the payload
+  const float* residual;
+  float* out;
+};
+
+template <int BITS, bool AVX2>
+void feedback_buckets_t(const FeedbackArgs& f, int64_t b0, int64_t b1) {
+  const EncodeArgs& a = f.enc;
+  const int B = a.bucket;
+  EncodeScratch t(a, AVX2);  // t.buf: the bucket's acc
+  DecodeScratch hat(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    uint8_t* out = a.packed + b * (B / 8) * BITS;
+    cpu::load_sum(a.dtype, a.x, f.residual, start, valid, B, t.buf.data());
+    bool done = false;
+#if JC_CPU_AVX2
+    if (AVX2 && valid == B) {
+      avx2::encode_bucket<BITS>(t.buf.data(), B, a.l2, t.ka, t.kb, static_cast<uint32_t>(start), out, a.scales + b,
+                                t.vectors.data());
+      done = true;
+    }
+#endif
+    if (!done)
+      encode_bucket_portable<BITS>(a, t.buf.data(), static_cast<uint32_t>(start), t.tmp.data(), t.codes.data(), out,
+                                   a.scales + b);
+    decode_bucket_f32<BITS, AVX2>(out, a.scales[b], B, hat.codes.data(), hat.values.data());
+    cpu::store_residual(t.buf.data(), hat.values.data(), start, valid, f.out);
+  }
+}
+
+template <bool AVX2>
+void feedback_buckets(const FeedbackArgs& f, int64_t b0, int64_t b1) {
+  switch (f.enc.bits) {
+    case 2: return feedback_buckets_t<2, AVX2>(f, b0, b1);
+    case 3: return feedback_buckets_t<3, AVX2>(f, b0, b1);
+    case 4: return feedback_buckets_t<4, AVX2>(f, b0, b1);
+    default: return feedback_buckets_t<8, AVX2>(f, b0, b1);
+  }
+}
 
 template <int BITS, bool AVX2>
 void decode_buckets_t(const DecodeArgs& a, int64_t b0, int64_t b1) {
@@ -325,6 +399,7 @@ void decode_sum_buckets(const DecodeSumArgs& a, int64_t b0, int64_t b1) {
 JC_CPU_LOOP_WITH_AVX2_PATHS(encode_range, EncodeArgs, encode_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_sum_range, DecodeSumArgs, decode_sum_buckets)
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_buckets)
+JC_CPU_LOOP_WITH_AVX2_PATHS(feedback_range, FeedbackArgs, feedback_buckets)
 
 // ---------------------------------------------------------------------------
 // Handlers: encode and decode are the pair families' (cpu_buckets.h), one
@@ -335,6 +410,15 @@ void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* 
   const EncodeArgs a{dt,     x,      n,      static_cast<int>(bucket), static_cast<int>(bits), l2 != 0,
                      key[0], key[1], packed, scales};
   for_buckets(runner, a, encode_range);
+}
+
+void encode_feedback(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, const uint32_t* key,
+                     uint8_t* packed, float* scales, float* out, int64_t bits, int64_t bucket, int64_t l2) {
+  const EncodeArgs a{dt,     x,      n,      static_cast<int>(bucket), static_cast<int>(bits), l2 != 0,
+                     key[0], key[1], packed, scales};
+  const FeedbackArgs f{a, residual, out};
+  parallel_for(runner, (n + bucket - 1) / bucket, buckets_per_task(bucket),
+               [&](int64_t b0, int64_t b1) { feedback_range(f, b0, b1); });
 }
 
 void decode(Runner& runner, DType dt, const uint8_t* packed, const float* scales, int64_t n, void* out, int64_t bits,
@@ -368,6 +452,7 @@ using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kQsgdEncode, Handlers::encode<qsgd_check_encode, encode>);
 JAXCOMP_REGISTER(kQsgdDecode, Handlers::decode<qsgd_check_decode, decode>);
 JAXCOMP_REGISTER(kQsgdDecodeSum, DecodeSumImpl);
+JAXCOMP_REGISTER(kQsgdEncodeFeedback, Handlers::feedback<qsgd_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp._ffi import resolve_backend
+from jaxcomp._ffi import Backend, resolve_backend
 from jaxcomp.ops import ieee
 from jaxcomp.ops._dispatch import dispatch, ffi_call
 from jaxcomp.ops.rng import seed_words
@@ -370,6 +370,9 @@ class Codec:
     #: Whether the kernels have a decode-and-accumulate target,
     #: ``jaxcomp_<name>_decode_sum`` (see :meth:`decode_sum`).
     decode_sum_kernel: ClassVar[bool] = False
+    #: Whether the CPU kernels have a fused error-feedback target,
+    #: ``jaxcomp_<name>_encode_feedback`` (see :meth:`encode_feedback`).
+    feedback_kernel: ClassVar[bool] = False
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -736,6 +739,89 @@ class Codec:
             (jax.ShapeDtypeStruct((n,), jnp.float32),),
             **self.kernel_attrs(decode=True),
         )[0]
+
+    def encode_feedback(
+        self,
+        x: Any,
+        residual: jax.Array,
+        key: jax.Array | None = None,
+        *,
+        backend: str = "auto",
+    ) -> tuple[Payload, jax.Array]:
+        """Error feedback's compression: the payload of ``x + residual`` and
+        what it leaves out, the new residual.
+
+        The rule, the same on every backend: ``acc = float32(x) + residual``
+        (one float32 add per element), the payload is :meth:`encode` of the
+        float32 ``acc``, and the new residual is ``acc - decode(payload)``
+        in float32, bit for bit what those three calls give. Codecs with a
+        fused CPU kernel (:attr:`feedback_kernel`) compute it in one pass
+        over the gradient and the residual, each bucket in cache, with no
+        ``acc`` and no decoded tensor written out; elsewhere (other codecs,
+        GPUs, ``backend="xla"``) it is the three calls, which XLA fuses
+        where it can.
+
+        Args:
+          x: the gradient (float32, bfloat16 or float16, any shape).
+          residual: float32, ``x``'s shape: what earlier steps left out.
+          key: a JAX PRNG key; required by stochastic codecs.
+          backend: "auto" (the fused kernel on the CPU where built, else
+            the three calls), "ffi" (the fused kernel required on the CPU)
+            or "xla" (the twins).
+        Returns:
+          ``(payload, new_residual)``: a float32 payload of ``x``'s shape,
+          and the float32 new residual.
+        """
+        x = self.check_input(x)
+        residual = jnp.asarray(residual)
+        if residual.shape != x.shape or residual.dtype != jnp.float32:
+            raise ValueError(
+                f"{type(self).__name__}.encode_feedback: the residual must be float32 of the "
+                f"gradient's shape {x.shape}, got {residual.dtype}{list(residual.shape)}"
+            )
+        if backend not in ("auto", "ffi", "xla"):
+            raise ValueError(f"backend must be 'auto', 'ffi' or 'xla', got {backend!r}")
+        if self.stochastic and key is None:
+            raise ValueError(f"{type(self).__name__} is stochastic: encode needs a PRNG key")
+        key = key if self.stochastic else None
+        flat, res = x.reshape(-1), residual.reshape(-1)
+        if not self.feedback_kernel:
+            return self._feedback_by_calls(flat, res, key, backend, x.shape)
+        # The fused kernel is the CPU's: the "fused" backends run it there
+        # (required with "ffi") and the twin elsewhere.
+        backend = (
+            Backend.FUSED_FFI
+            if backend == "ffi"
+            else resolve_backend("fused" if backend == "auto" else backend)
+        )
+        if backend is Backend.XLA:
+            return self._feedback_by_calls(flat, res, key, backend, x.shape)
+        n = flat.size
+        layout = self.arrays(n, jnp.float32)
+
+        def twin(flat, res, *seed):
+            acc = flat.astype(jnp.float32) + res
+            arrays = self.twin_encode(acc, *seed)
+            hat = ieee.canonical_nan(self.twin_decode(*arrays, n=n, dtype=jnp.float32))
+            return (*arrays, acc - hat)
+
+        outs = self.kernel(
+            backend,
+            f"jaxcomp_{self.name}_encode_feedback",
+            twin,
+            (flat, res, self.seed(key)) if self.seeded else (flat, res),
+            (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
+            **self.kernel_attrs(decode=False),
+        )
+        payload = self.payload(tuple(outs[:-1]), x.shape, jnp.float32)
+        return payload, outs[-1].reshape(x.shape)
+
+    def _feedback_by_calls(self, flat, res, key, backend, shape):
+        """:meth:`encode_feedback` as three calls: add, encode, decode."""
+        acc = flat.astype(jnp.float32) + res
+        payload = self.encode(acc.reshape(shape), key, backend=backend)
+        hat = self.decode(payload, backend=backend).reshape(-1)
+        return payload, (acc - hat).reshape(shape)
 
     # -- for the codecs' own use ---------------------------------------------
     @staticmethod

@@ -58,6 +58,7 @@ class QSGD(BucketedCodec):
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
     decode_sum_kernel: ClassVar[bool] = True
+    feedback_kernel: ClassVar[bool] = True
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

@@ -1,0 +1,113 @@
+"""Codec.encode_feedback: error feedback's compression in one call.
+
+Its rule is the three calls it replaces: ``acc = float32(x) + residual``,
+the payload ``encode(acc)`` and the new residual ``acc - decode(payload)``.
+Every codec gives exactly their bytes on every backend; the codecs with a
+fused CPU kernel (``feedback_kernel``) give them from one pass, at bucket
+edges, across the kernel's threads, for each input dtype and for special
+values, and the compiled step calls that kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import CONTRACT_CODECS, codec_id
+from helpers import assert_same_bytes, assert_same_payload, gradient_like
+
+import jaxcomp as jc
+
+KEY = jax.random.key(7)
+needs_ffi = pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not built")
+FUSED = [c for c in CONTRACT_CODECS if c.feedback_kernel]
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "backend"))
+def by_calls(x, residual, key, codec, backend):
+    """The rule, written out: add, encode, decode, subtract."""
+    acc = x.astype(jnp.float32) + residual
+    payload = codec.encode(acc, key, backend=backend)
+    return payload, acc - codec.decode(payload, backend=backend)
+
+
+@functools.partial(jax.jit, static_argnames=("codec", "backend"))
+def fused(x, residual, key, codec, backend):
+    return codec.encode_feedback(x, residual, key, backend=backend)
+
+
+def residual_like(n: int, seed: int) -> jax.Array:
+    return (gradient_like(n, seed=seed) * 0.25).astype(jnp.float32)
+
+
+def check_same(codec, x, residual, key, backend, reference_backend, what):
+    p, r = fused(x, residual, key, codec, backend)
+    q, s = by_calls(x, residual, key, codec, reference_backend)
+    assert_same_payload(p, q, f"{what} payload")
+    assert_same_bytes(r, s, f"{what} new residual")
+
+
+@pytest.mark.parametrize("codec", CONTRACT_CODECS, ids=codec_id)
+def test_every_codec_gives_the_three_calls_bytes(codec):
+    """The rule holds for every codec, fused or not: a bfloat16 gradient of
+    a few buckets, the default backend against the calls on the same one."""
+    n = 3 * (codec.split_granularity() or 64) + 5
+    x = gradient_like(n, seed=1, dtype="bfloat16")
+    check_same(codec, x, residual_like(n, 2), KEY, "auto", "auto", "auto")
+
+
+@needs_ffi
+@pytest.mark.parametrize("codec", FUSED, ids=codec_id)
+def test_the_fused_kernel_gives_the_kernels_and_the_twins_bytes(codec):
+    """The one-pass kernel against the separate kernels and against the
+    twins: one element, a bucket edge, a partial last bucket, and enough
+    buckets to spread over the kernel's threads, each input dtype."""
+    g = codec.split_granularity() or 64
+    cases = [(1, "float32"), (g + 1, "float16"), (4099, "float32"), (3 * 65536 + 13, "bfloat16")]
+    for n, dtype in cases:
+        x = gradient_like(n, seed=n, dtype=dtype)
+        res = residual_like(n, n + 1)
+        key = jax.random.fold_in(KEY, n)
+        check_same(codec, x, res, key, "ffi", "ffi", f"{dtype} n={n} vs kernels")
+        check_same(codec, x, res, key, "ffi", "xla", f"{dtype} n={n} vs twins")
+        check_same(codec, x, res, key, "xla", "xla", f"{dtype} n={n} twin path")
+
+
+@needs_ffi
+@pytest.mark.parametrize("codec", FUSED, ids=codec_id)
+def test_special_values_and_shapes(codec):
+    """NaN, infinities, zeros of both signs and subnormals in the gradient
+    and in the residual; a 2-D gradient keeps its shape."""
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e-39, 1.0, -2.5], np.float32)
+    x = np.array(gradient_like(1024, seed=3))
+    res = np.array(residual_like(1024, 4))
+    x[::97] = special[np.arange(x[::97].size) % special.size]
+    res[5::89] = special[np.arange(res[5::89].size) % special.size]
+    x, res = jnp.asarray(x).reshape(32, 32), jnp.asarray(res).reshape(32, 32)
+    check_same(codec, x, res, KEY, "ffi", "ffi", "special values")
+    p, r = fused(x, res, KEY, codec, "ffi")
+    assert p.shape == (32, 32) and r.shape == (32, 32) and r.dtype == jnp.float32
+
+
+@needs_ffi
+@pytest.mark.parametrize("codec", FUSED[:1], ids=codec_id)
+def test_the_cpu_step_calls_the_fused_kernel(codec):
+    """On the CPU the default backend lowers to the one-pass target, not to
+    the separate encode and decode: the fused path cannot fall back
+    silently."""
+    x = jnp.ones((4096,), jnp.float32)
+    hlo = fused.lower(x, x, KEY, codec, "auto").as_text()
+    assert f"jaxcomp_{codec.name}_encode_feedback" in hlo
+    assert f"jaxcomp_{codec.name}_decode" not in hlo
+
+
+def test_a_residual_of_another_shape_or_dtype_is_refused():
+    codec = jc.codecs.Int8()
+    x = jnp.ones((100,), jnp.float32)
+    with pytest.raises(ValueError, match=r"float32 of the gradient's shape \(100,\)"):
+        codec.encode_feedback(x, jnp.ones((99,), jnp.float32))
+    with pytest.raises(ValueError, match="got bfloat16"):
+        codec.encode_feedback(x, jnp.ones((100,), jnp.bfloat16))
