@@ -27,6 +27,13 @@ as a pass that writes it.
 algorithm (``jc.pmean(grad).value`` of every leaf, then sgd: no error
 feedback, no fusion, no residual update), the figure the full update is
 compared with.
+
+``--floor`` adds, per codec, the memory floor of error feedback: the plain
+step plus one pass per leaf, in ``jnp`` with no codec, that reads the
+gradient and the residual and writes what one fused pass must write, the
+new residual and a payload of the codec's size (bits per element of the
+leaf). Error feedback done in one pass costs at least that over the plain
+step; the full update's distance to it is what a fused kernel can win.
 """
 
 from __future__ import annotations
@@ -58,6 +65,11 @@ def main() -> int:
         help="K: a tree of K 2048x2048 float32 matrices instead of the MLP-like default",
     )
     ap.add_argument("--bare", action="store_true", help="also time the bare jc.pmean per codec")
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time the memory floor of one-pass error feedback per codec",
+    )
     ap.add_argument(
         "--profile", action="store_true", help="per-operation profile of the full update"
     )
@@ -209,14 +221,45 @@ def main() -> int:
 
         return update
 
+    def floor(codec):
+        """The plain step plus one pass per leaf that reads the gradient and
+        the residual and writes the new residual and a payload of the
+        codec's bits per element: the bytes of one-pass error feedback,
+        with no codec arithmetic (the payload is the max of each group of
+        32 / bits values, one float32 per group). Residuals and payloads
+        are state, so that XLA writes both out."""
+        group = {k: max(1, round(32 / codec.bits_per_element(v.shape))) for k, v in params.items()}
+
+        def one_pass(g, r, k):
+            acc = g + r
+            flat = acc.reshape(-1)
+            groups = flat[: flat.size // k * k].reshape(-1, k)
+            return acc * 0.5, jnp.max(groups, axis=1)[None]
+
+        def update(p, s, g):
+            opt, residuals, _ = s
+            out = {name: one_pass(g[name], residuals[name], group[name]) for name in g}
+            u, opt = sgd.update(lax.pmean(g, axis), opt, p)
+            new_residuals = {name: o[0] for name, o in out.items()}
+            return u, (opt, new_residuals, {name: o[1] for name, o in out.items()})
+
+        per_device = NamedSharding(mesh, P(axis))
+        residuals = {k: jnp.zeros((args.devices, *v.shape), jnp.float32) for k, v in params.items()}
+        payloads = {
+            k: jnp.zeros((args.devices, v.size // group[k]), jnp.float32) for k, v in params.items()
+        }
+        state = (sgd.init(params), *jax.device_put((residuals, payloads), per_device))
+        return make_step(update, (P(), P(axis), P(axis))), state
+
     base = timed(make_step(plain), sgd.init(params))
     if args.profile:
         footprint(make_step(plain), sgd.init(params), "`lax.pmean` + sgd")
     print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
-    bare_col = " x bare jc.pmean |" if args.bare else ""
-    print(f"| step | ms | x plain pmean step |{bare_col}")
-    print("|---|---|---|" + ("---|" if args.bare else ""))
-    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + (" |" if args.bare else ""))
+    extra = [c for c, on in (("x bare jc.pmean", args.bare), ("x floor", args.floor)) if on]
+    blank = " |" * len(extra)
+    print("| step | ms | x plain pmean step |" + "".join(f" {c} |" for c in extra))
+    print("|---|---|---|" + "---|" * len(extra))
+    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + blank)
     for spec in args.codecs:
         if spec.startswith("powersgd"):  # "powersgd:rank=R": jc.optax.powersgd, no codec
             rank = int(spec.partition("rank=")[2] or 4)
@@ -228,10 +271,7 @@ def main() -> int:
                 ),
                 state,
             )
-            print(
-                f"| `{spec}` jc.optax.powersgd + sgd | {t * 1e3:.1f} | {t / base:.2f} |"
-                + (" |" if args.bare else "")
-            )
+            print(f"| `{spec}` jc.optax.powersgd + sgd | {t * 1e3:.1f} | {t / base:.2f} |" + blank)
             continue
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
@@ -263,11 +303,20 @@ def main() -> int:
                 jc.optax.init(tx, params, mesh, axis),
                 f"`{spec}` compress_gradients + sgd",
             )
+        ratios = []  # the full update against the bare all-reduce and the floor
         if args.bare:
             tb = timed(make_step(bare_pmean(codec)), sgd.init(params))
+            ratios.append(tb)
             print(
                 f"| `{spec}` bare jc.pmean (value only) + sgd | {tb * 1e3:.1f} | {tb / base:.2f} "
-                "| 1.00 |"
+                "| 1.00 |" + (" |" if args.floor else "")
+            )
+        if args.floor:
+            tf = timed(*floor(codec))
+            ratios.append(tf)
+            print(
+                f"| `{spec}` floor: `lax.pmean` + sgd + one EF pass in jnp | {tf * 1e3:.1f} "
+                f"| {tf / base:.2f} |" + (" |" if args.bare else "") + " 1.00 |"
             )
         alg = args.algorithm
         if alg == "auto":
@@ -277,7 +326,7 @@ def main() -> int:
             levels = "no"
         print(
             f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
-            f"| {t * 1e3:.1f} | {t / base:.2f} |" + (f" {t / tb:.2f} |" if args.bare else "")
+            f"| {t * 1e3:.1f} | {t / base:.2f} |" + "".join(f" {t / r:.2f} |" for r in ratios)
         )
     if footprints:
         print("\nMemory: temporaries of the compiled step, what they cost at run time")

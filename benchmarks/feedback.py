@@ -1,0 +1,72 @@
+"""Error feedback's compression, ``codec.encode_feedback(x, residual)``, in
+one pass against the three calls it replaces, on the CPU.
+
+    python benchmarks/feedback.py                  # 2^24 float32, the fused codecs
+    python benchmarks/feedback.py --log2-n 22 --reps 5
+
+Per codec with a fused CPU kernel (``feedback_kernel``): the fused kernel;
+the same result from the separate kernels (``acc = x + residual``, encode,
+decode, ``acc - decoded``: what ``jc.optax.compress_gradients`` computes
+today); the twins of both (``backend="xla"``). Each is timed as a jitted
+loop that carries the residual from one call to the next, as training
+does, beside a floor measured in the same run: a pass that reads the
+gradient and the residual and writes the new residual (``x + r / 2``, no
+codec). GB/s of float32 gradient; x floor: that pass's time over the row's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+
+import jaxcomp as jc
+from jaxcomp import _bench
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--log2-n", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    n = 1 << args.log2_n
+    x = _bench.make_input(n, seed=1)
+    r0 = _bench.make_input(n, seed=2) * 0.1
+    key = jax.random.key(0)
+
+    def seconds(step):
+        single = _bench._median_seconds(lambda: jax.jit(lambda r: step(0, r))(r0), args.reps, 0.2)
+        return _bench._loop_seconds(step, r0, single, args.reps, 0.2)
+
+    floor = seconds(lambda i, r: x + r * 0.5)
+    gbps = 4 * n / 1e9
+    print(f"{n} float32 values; {jc._ffi.kernels_line()}")
+    print(f"floor (read x and r, write r): {floor * 1e3:.2f} ms, {gbps / floor:.1f} GB/s")
+    print("| codec | path | ms | GB/s of gradient | x floor |")
+    print("|---|---|---|---|---|")
+    codecs = [c for c in _bench.default_codecs() if c.feedback_kernel]
+    for codec in codecs:
+
+        def fused(i, r, codec=codec, backend="ffi"):
+            return codec.encode_feedback(x, r, jax.random.fold_in(key, i), backend=backend)[1]
+
+        def by_calls(i, r, codec=codec, backend="ffi"):
+            acc = x + r
+            payload = codec.encode(acc, jax.random.fold_in(key, i), backend=backend)
+            return acc - codec.decode(payload, backend=backend)
+
+        paths = [
+            ("fused kernel", fused),
+            ("kernels: add, encode, decode, subtract", by_calls),
+            ("twins, fused by XLA", lambda i, r, f=fused: f(i, r, backend="xla")),
+        ]
+        for label, step in paths:
+            t = seconds(step)
+            print(f"| `{codec}` | {label} | {t * 1e3:.2f} | {gbps / t:.1f} | {t / floor:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
