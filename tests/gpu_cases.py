@@ -132,6 +132,11 @@ def decode_sum_codecs() -> list[Codec]:
     ]
 
 
+def feedback_codecs() -> list[Codec]:
+    """Every example of a codec with a fused error-feedback kernel (CPU)."""
+    return [c for cls in jaxcomp.codecs.registered() if cls.feedback_kernel for c in cls.examples()]
+
+
 def codec_id(codec: Codec) -> str:
     """Short ids for the command line: qsgd-b4-B512-max, onebit-B64, cast-float16."""
     if isinstance(codec, QSGD):

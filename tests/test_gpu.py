@@ -30,6 +30,7 @@ from gpu_cases import (
     codec_id,
     decode_sum_codecs,
     dtype_id,
+    feedback_codecs,
     first_examples,
     gpu_input,
 )
@@ -355,6 +356,33 @@ def test_decode_sum_matches_twin_and_cpu(codec, rows):
             if (d := _difference(outs[name], outs["cpu-ffi"]))
         }
     )
+
+
+@pytest.mark.parametrize("codec", feedback_codecs(), ids=codec_id)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_feedback_on_gpu_matches_the_cpu_fused_kernel(codec, dtype):
+    """encode_feedback on the GPU (the twins' three calls, which XLA fuses:
+    the fused kernel is the CPU's, whatever the backend) gives the CPU
+    fused kernel's payload and new residual."""
+    x = gpu_input(70001, dtype, seed=3)
+    res = gpu_input(70001, np.float32, seed=4) * np.float32(0.1)
+    key = jax.random.key(5)
+    outs = {
+        name: jax.jit(lambda x, r, k, b=backend: codec.encode_feedback(x, r, k, backend=b))(
+            *_on(dev, x, res, key)
+        )
+        for name, (dev, backend) in RUNS.items()
+    }
+    ref_payload, ref_res = outs["cpu-ffi"]
+    differences = {}
+    for name in ("gpu-ffi", "gpu-xla"):
+        payload, new_res = outs[name]
+        for k in ref_payload.arrays:
+            if d := _difference(payload[k], ref_payload[k]):
+                differences[f"{name} payload [{k}]"] = d
+        if d := _difference(new_res, ref_res):
+            differences[f"{name} new residual"] = d
+    _report(differences)
 
 
 # ---------------------------------------------------------------------------
