@@ -796,6 +796,11 @@ class Codec:
         )
         if backend is Backend.XLA:
             return self._feedback_by_calls(flat, res, key, backend, x.shape)
+        return self._feedback_fused(flat, res, key, backend, x.shape)
+
+    def _feedback_fused(self, flat, res, key, backend, shape):
+        """:meth:`encode_feedback` by the fused kernel where ``backend``
+        runs it (the twins' three calls elsewhere)."""
         n = flat.size
         layout = self.arrays(n, jnp.float32)
 
@@ -813,8 +818,8 @@ class Codec:
             (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
             **self.kernel_attrs(decode=False),
         )
-        payload = self.payload(tuple(outs[:-1]), x.shape, jnp.float32)
-        return payload, outs[-1].reshape(x.shape)
+        payload = self.payload(tuple(outs[:-1]), shape, jnp.float32)
+        return payload, outs[-1].reshape(shape)
 
     def _feedback_by_calls(self, flat, res, key, backend, shape):
         """:meth:`encode_feedback` as three calls: add, encode, decode."""
