@@ -111,3 +111,41 @@ def test_a_residual_of_another_shape_or_dtype_is_refused():
         codec.encode_feedback(x, jnp.ones((99,), jnp.float32))
     with pytest.raises(ValueError, match="got bfloat16"):
         codec.encode_feedback(x, jnp.ones((100,), jnp.bfloat16))
+
+
+@needs_ffi
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices")
+@pytest.mark.parametrize(
+    "codec, algorithm, calls",
+    [
+        (jc.codecs.QSGD(bits=4), "two_phase", 2),  # the first stage and the owner's
+        (jc.codecs.OneBit(), "allgather", 1),
+        (jc.codecs.Int8(), "ring", 0),  # the separate calls, as before
+    ],
+    ids=codec_id,
+)
+def test_compress_gradients_compresses_in_one_pass(codec, algorithm, calls):
+    """On the CPU, ``compress_gradients``' compressions that keep what they
+    miss run the one-pass kernel (a float32 leaf: every device's first
+    compression, and the owner's with its server residual), and the step's
+    own payload is never decoded for the residual. The ring keeps the
+    separate calls: its owner needs the decoded chunk."""
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices("cpu")[:4])
+    tx = jc.optax.compress_gradients(codec, "d", algorithm=algorithm, min_compress_size=16)
+    params = {"w": jnp.zeros((64, 64), jnp.float32)}
+    state = jc.optax.init(tx, params, mesh, "d")
+    specs = jc.optax.state_specs(state, "d")
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(g, s),
+            mesh=mesh,
+            in_specs=(jax.sharding.PartitionSpec(), specs),
+            out_specs=(jax.sharding.PartitionSpec(), specs),
+            check_vma=False,
+        )
+    )
+    hlo = step.lower(params, state).compile().as_text()
+    fused_target = f'"jaxcomp_{codec.name}_encode_feedback"'
+    assert hlo.count(fused_target) == calls, hlo.count(fused_target)
+    if calls:
+        assert f'"jaxcomp_{codec.name}_encode"' not in hlo

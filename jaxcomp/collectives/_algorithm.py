@@ -33,9 +33,11 @@ import numpy as np
 from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec
 from jaxcomp.collectives._decode import decode_f32
+from jaxcomp.collectives._order import after
 
 # (value: the sum / div, float32, flat; sent: float32, flat; the new server
-# residual, or None): what every algorithm's run returns.
+# residual, or None): what every algorithm's run returns. run_feedback
+# returns the same with what the input kept (float32, flat) in sent's place.
 FlatReduced = tuple[jax.Array, jax.Array, jax.Array | None]
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -53,6 +55,10 @@ class Context:
       div: 1 for ``psum``, the number of devices for ``pmean``: the sum is
         divided by it before its last compression, so the mean costs no
         extra pass; ``sent`` stays in units of the sum.
+      dep: results the call's first collective must wait for (a pytree, or
+        None; :func:`~jaxcomp.collectives.after`): set by
+        ``compress_gradients`` to the previous bucket's, so that every
+        device enters the buckets' collectives in one order.
       axis: the axis name for ``lax`` collectives (derived from ``axes``).
       size: the devices on the axes (derived from ``axes``).
     """
@@ -61,6 +67,7 @@ class Context:
     axes: Axes
     key: jax.Array | None
     div: int
+    dep: Any = None
     axis: Any = dataclasses.field(init=False)
     size: int = dataclasses.field(init=False)
 
@@ -107,6 +114,35 @@ class Algorithm:
           residual (None without one).
         """
         raise NotImplementedError
+
+    def run_feedback(
+        self, ctx: Context, flat: jax.Array, residual: jax.Array, state: jax.Array | None
+    ) -> FlatReduced:
+        """The all-reduce of ``flat + residual`` under error feedback.
+
+        Args:
+          ctx: the call's context.
+          flat: this device's tensor, flat, in its dtype.
+          residual: float32, ``flat``'s length: what this device's earlier
+            compressions missed.
+          state: as in :meth:`run`.
+        Returns:
+          ``(value, kept, state)``: as :meth:`run`'s, with ``kept = acc -
+          sent`` (``acc`` the float32 ``flat + residual``), this device's
+          new residual, in ``sent``'s place.
+
+        By default the separate steps: ``acc`` is formed, :meth:`run` takes
+        it in ``flat``'s dtype, and ``acc - sent`` is returned. Algorithms
+        whose first compression is one encoding of the tensor override it
+        with :func:`~jaxcomp.collectives._feedback.compress_kept`, which
+        makes the payload and the new residual in one pass where the codec
+        has the kernel, with the same bits, and tie their first collective's
+        payload to ``ctx.dep`` (:func:`~jaxcomp.collectives.after`).
+        """
+        # The order tie (``ctx.dep``) fuses into the sum.
+        acc = after(flat, ctx.dep).astype(jnp.float32) + residual
+        value, sent, state = self.run(ctx, acc.astype(flat.dtype), state)
+        return value, acc - sent, state
 
     def chosen(self, codec: Codec, n: int, axes: Axes) -> bool:
         """Whether ``auto`` picks this algorithm (asked in the order of
@@ -206,6 +242,19 @@ def all_reduce(
     if not ctx.axes.hierarchical and ctx.size == 1:
         return _one_device(ctx, flat, state)
     return resolve(ctx.codec, flat.size, ctx.axes, algorithm, "jc.psum").run(ctx, flat, state)
+
+
+def all_reduce_feedback(
+    ctx: Context, flat: jax.Array, residual: jax.Array, algorithm: str, state: jax.Array | None
+) -> FlatReduced:
+    """The all-reduce of ``flat + residual`` by ``algorithm`` under error
+    feedback: ``(value, kept, state)`` (:meth:`Algorithm.run_feedback`)."""
+    if not ctx.axes.hierarchical and ctx.size == 1:  # no collective to order
+        acc = flat.astype(jnp.float32) + residual
+        value, sent, state = _one_device(ctx, acc.astype(flat.dtype), state)
+        return value, acc - sent, state
+    alg = resolve(ctx.codec, flat.size, ctx.axes, algorithm, "jc.psum")
+    return alg.run_feedback(ctx, flat, residual, state)
 
 
 def _one_device(ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:

@@ -7,6 +7,8 @@ from typing import ClassVar
 
 from jaxcomp.collectives._algorithm import Algorithm, register
 from jaxcomp.collectives._decode import decode_own, decode_sum
+from jaxcomp.collectives._feedback import compress_kept
+from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import transfer
 
 # Up to this many devices, codecs whose second compression is "coarse" go
@@ -28,8 +30,18 @@ class Allgather(Algorithm):
 
     def run(self, ctx, flat, state):
         p = ctx.codec.encode(flat, ctx.key)
+        return self._gather(ctx, p), decode_own(p), state
+
+    def run_feedback(self, ctx, flat, residual, state):
+        """The one compression makes the payload and the new residual
+        together (:func:`compress_kept`)."""
+        p, kept = compress_kept(ctx.codec, flat, residual, ctx.key, flat.dtype)
+        return self._gather(ctx, after(p, ctx.dep)), kept, state
+
+    @staticmethod
+    def _gather(ctx, p):
         total = transfer(p, "all-gather", ctx.axis, decode_sum)
-        return (total if ctx.div == 1 else total / ctx.div), decode_own(p), state
+        return total if ctx.div == 1 else total / ctx.div
 
     def chosen(self, codec, n, axes):
         """Two devices or fewer values than devices (the same bytes as

@@ -78,7 +78,8 @@ def _check_state(state, codec: Codec, n: int, dtype, axes: Axes, algorithm: str)
     return state
 
 
-def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state) -> Reduced:
+def _prepare(x, axis_name, codec, key, algorithm, mean: bool, state, dep=None):
+    """The checked input, flat, its state and the call's context."""
     if algorithm not in _algorithm.names():
         raise ValueError(
             f"jc.psum: algorithm must be one of {_algorithm.names()}, got {algorithm!r}"
@@ -88,9 +89,33 @@ def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state) -> Reduc
     flat = x.reshape(-1)
     axes = _bind(axis_name, algorithm)
     state = _check_state(state, codec, flat.size, x.dtype, axes, algorithm)
-    ctx = Context(codec, axes, device_key(codec, key, axes), axes.size if mean else 1)
+    ctx = Context(codec, axes, device_key(codec, key, axes), axes.size if mean else 1, dep)
+    return x, flat, state, ctx
+
+
+def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state) -> Reduced:
+    x, flat, state, ctx = _prepare(x, axis_name, codec, key, algorithm, mean, state)
     total, sent, state = _algorithm.all_reduce(ctx, flat, algorithm, state)
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape), state)
+
+
+def pmean_kept(
+    x, residual, axis_name, codec, *, key=None, algorithm="auto", state=None, after=None
+):
+    """``pmean(x + residual)`` under error feedback, for
+    ``jc.optax.compress_gradients``: ``(value, kept, state)``, ``kept`` the
+    new residual ``x + residual - sent`` (float32, ``x``'s shape) in
+    ``sent``'s place.
+
+    ``x`` and ``residual`` are flat; the float32 sum is formed in the
+    first compression (``Algorithm.run_feedback``): by the codec's one-pass
+    kernel where it has one on the CPU, so neither the sum nor what this
+    device sent is written out. The first collective waits for ``after``
+    (:func:`~jaxcomp.collectives.after`), tied where it costs least: the
+    payload of a one-pass compression, else the sum that is formed."""
+    x, flat, state, ctx = _prepare(x, axis_name, codec, key, algorithm, True, state, after)
+    total, kept, state = _algorithm.all_reduce_feedback(ctx, flat, residual, algorithm, state)
+    return total.astype(x.dtype), kept, state
 
 
 def psum(

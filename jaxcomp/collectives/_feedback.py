@@ -1,17 +1,68 @@
-"""Error feedback of the last compression, made by the device that owns a
-reduced chunk (two-phase, the ring's last scatter-reduce step, the sparse
-split's dense stage)."""
+"""Error feedback in the collectives: the compressions that keep what they
+miss (a device's first compression under ``compress_gradients``' residual,
+the owner's compression of a reduced chunk with its server residual), and
+the charge of an owner's error under one-level error feedback.
+
+Where a codec has a one-pass kernel (``Codec.feedback_kernel``) those
+compressions run it on the CPU: the payload and the new residual come out
+of one pass over the input and the residual, with no sum and no decoded
+tensor written out. Elsewhere (GPUs, codecs without one, inputs that are
+not float32) they are the separate calls they were: the sum, the encode
+("auto": the CUDA kernel where it is faster than XLA's fusion of the twin,
+docs/gpu.md) and the fused decode (:func:`decode_own`), which XLA fuses
+into the subtraction.
+"""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.codecs.base import Codec
 from jaxcomp.collectives._decode import decode_own
+from jaxcomp.payload import Payload
 
 
-def owner_stage(codec: Codec, reduced: jax.Array, div: int, state, key, dtype):
+def one_pass(codec: Codec, dtype) -> bool:
+    """Whether :func:`compress_kept` runs ``codec``'s one-pass kernel (on
+    the CPU) for an input of ``dtype``: codecs with one, float32 inputs
+    (the rule of ``Codec.encode_feedback`` compresses the float32 sum, which
+    is what a float32 input's separate calls compress too)."""
+    return bool(codec.feedback_kernel) and jnp.dtype(dtype) == jnp.float32
+
+
+def compress_kept(
+    codec: Codec, x: jax.Array, kept: jax.Array, key, dtype
+) -> tuple[Payload, jax.Array]:
+    """The payload of ``x + kept`` and what it misses: ``(payload, x + kept
+    - decoded)``, float32 and flat.
+
+    ``x`` is flat, in ``dtype`` or float32; ``kept`` a float32 residual of
+    its length; the float32 sum is compressed in ``dtype`` (the tensor's). With :func:`one_pass`,
+    ``Codec.encode_feedback`` on the CPU and the separate calls on other
+    platforms (``lax.platform_dependent``); the bits are the same either
+    way on the CPU (tests/test_feedback.py), and the calls are what ran
+    before on the others.
+    """
+
+    def calls(x, kept):
+        acc = x.astype(jnp.float32) + kept
+        p = codec.encode(acc.astype(dtype), key)
+        return p, acc - decode_own(p)
+
+    if not one_pass(codec, dtype):
+        return calls(x, kept)
+
+    def fused(x, kept):
+        return codec.encode_feedback(x, kept, key)
+
+    return lax.platform_dependent(x, kept, cpu=fused, default=calls)
+
+
+def owner_stage(
+    codec: Codec, reduced: jax.Array, div: int, state, key, dtype, *, decoded: bool = False
+):
     """The last compression of a reduced chunk, by the device that owns it.
 
     With a server residual ``state`` (float32, the chunk's length, in units
@@ -19,15 +70,21 @@ def owner_stage(codec: Codec, reduced: jax.Array, div: int, state, key, dtype):
     ``reduced / div + state`` and keeps what that compression missed as the
     new state: two-level error feedback, each residual at the scale of what
     it compresses (DeepSpeed's compressed all-reduce for 1-bit Adam keeps a
-    worker and a server error the same way). Without one (``state`` None)
-    the error is returned in units of the sum, for the caller to charge to
-    the owner's ``sent`` (:func:`charge`: one-level error feedback).
+    worker and a server error the same way); by :func:`compress_kept`, in
+    one pass where the codec has the kernel, unless the caller needs the
+    decoded chunk (``decoded``). Without one (``state`` None) the error is
+    returned in units of the sum, for the caller to charge to the owner's
+    ``sent`` (:func:`charge`: one-level error feedback).
 
     Returns:
-      ``(payload, decoded float32, new_state, error)``: ``new_state`` None
+      ``(payload, decoded float32 or None, new_state, error)``: the decoded
+      chunk only where ``decoded`` or without a state; ``new_state`` None
       without a state, ``error`` None with one.
     """
     target = reduced if div == 1 else reduced / div
+    if state is not None and not decoded:
+        payload, new_state = compress_kept(codec, target, state, key, dtype)
+        return payload, None, new_state, None
     if state is not None:
         target = target + state
     payload = codec.encode(target.astype(dtype), key)
@@ -38,9 +95,13 @@ def owner_stage(codec: Codec, reduced: jax.Array, div: int, state, key, dtype):
     return payload, hat, None, error
 
 
-def charge(sent: jax.Array, owner: jax.Array, c: int, error: jax.Array) -> jax.Array:
-    """``sent`` (flat, chunks of ``c``) with the owner stage's ``error``
-    added to chunk ``owner``: one-level error feedback, the error of the
-    compression of my reduced chunk (in units of the sum) is mine."""
+def charge(own: jax.Array, owner: jax.Array, c: int, error: jax.Array, *, kept: bool = False):
+    """One-level error feedback: the error of the compression of my reduced
+    chunk (in units of the sum) is mine. ``own`` (flat, chunks of ``c``) is
+    what my input became (``sent``), with ``error`` added to chunk
+    ``owner``; or, with ``kept``, what my input kept (its new residual,
+    ``acc - sent``), with ``error`` taken from that chunk."""
     start = owner * c
-    return lax.dynamic_update_slice(sent, lax.dynamic_slice(sent, (start,), (c,)) + error, (start,))
+    part = lax.dynamic_slice(own, (start,), (c,))
+    part = part - error if kept else part + error
+    return lax.dynamic_update_slice(own, part, (start,))

@@ -123,7 +123,9 @@ def _owner_compression(ctx: Context, acc, sent, rows, new_rows, own, dtype):
     codec, size = ctx.codec, ctx.size
     reduced = lax.dynamic_index_in_dim(acc, own, keepdims=False)
     if rows is not None:
-        p, hat, last, _ = owner_stage(codec, reduced, 1, rows[size - 1], fold(ctx.key, size), dtype)
+        p, hat, last, _ = owner_stage(
+            codec, reduced, 1, rows[size - 1], fold(ctx.key, size), dtype, decoded=True
+        )
         return p, hat, sent, jnp.stack([*new_rows, last]).reshape(-1)
     p, hat, new_state, error = owner_stage(
         codec, reduced, ctx.div, None, fold(ctx.key, size), dtype

@@ -16,7 +16,7 @@ from jaxcomp.collectives._algorithm import Algorithm, Context, register
 from jaxcomp.collectives._chunks import chunk_len, chunked, padded, split
 from jaxcomp.collectives._decode import decode_own, decode_rows, decode_sum
 from jaxcomp.collectives._exchange import exchange
-from jaxcomp.collectives._feedback import charge, owner_stage
+from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import transfer
@@ -69,10 +69,22 @@ class TwoPhase(Algorithm):
     recompresses: ClassVar[bool] = True
 
     def run(self, ctx, flat, state):
+        return self._run(ctx, flat, None, state)
+
+    def run_feedback(self, ctx, flat, residual, state):
+        """Where the first compression is one encoding of the tensor (codecs
+        that split at a granularity), it makes the payloads and the new
+        residual together (:func:`compress_kept`)."""
+        if not ctx.codec.split_granularity():
+            return super().run_feedback(ctx, flat, residual, state)
+        return self._run(ctx, flat, residual, state)
+
+    @staticmethod
+    def _run(ctx, flat, residual, state):
         depth = pipeline_depth(ctx.codec, flat.size, ctx.size)
         if depth > 1:
-            return _pipelined(ctx, flat, state, depth)
-        return _two_phase(ctx, flat, state)
+            return _pipelined(ctx, flat, residual, state, depth)
+        return _two_phase(ctx, flat, residual, state)
 
     def chosen(self, codec, n, axes):
         """Every other codec: bytes per device near 2 (P-1)/P of one
@@ -89,13 +101,14 @@ class TwoPhase(Algorithm):
         return {"all-to-all": axes.size * chunk, "all-gather": chunk}
 
 
-def _two_phase(ctx: Context, flat: jax.Array, state):
+def _two_phase(ctx: Context, flat: jax.Array, residual, state):
     """The unpipelined steps: first compression, reduce-scatter (the
     all-to-all of every owner's chunk, decoded and summed by its owner), the
-    owner's second compression, all-gather."""
+    owner's second compression, all-gather. With a ``residual``, what the
+    input kept comes back in ``sent``'s place (``Algorithm.run_feedback``)."""
     me = lax.axis_index(ctx.axis)
     n, dtype = flat.size, flat.dtype
-    payloads, stage1, c = _first_compression(ctx, flat)
+    payloads, stage1, c = _first_compression(ctx, flat, residual)
     # My chunk, summed over the devices.
     mine = transfer(payloads, "all-to-all", ctx.axis, decode_sum)
     p2, _, new_state, error = owner_stage(
@@ -106,19 +119,20 @@ def _two_phase(ctx: Context, flat: jax.Array, state):
     )
     if error is None:
         return total, stage1[:n], new_state
-    return total, charge(stage1, me, c, error)[:n], None
+    return total, charge(stage1, me, c, error, kept=residual is not None)[:n], None
 
 
-def _first_compression(ctx: Context, flat: jax.Array) -> tuple[Payload, jax.Array, int]:
-    """Every owner's chunk of ``flat``, compressed: the stacked payloads,
-    what they decode to (my chunks as their owners see them, flat) and the
-    chunk length."""
+def _first_compression(ctx: Context, flat: jax.Array, residual=None):
+    """Every owner's chunk of ``flat`` (plus ``residual``), compressed:
+    ``(payloads, own, c)``, the stacked payloads, what they decode to (my
+    chunks as their owners see them, flat; with a ``residual``, what my
+    input kept instead) and the chunk length."""
     codec, size = ctx.codec, ctx.size
     if codec.split_granularity():
         # One encoding of the whole tensor, cut into per-owner payloads.
         c = chunk_len(codec, flat.size, size)
-        p = codec.encode(padded(flat, size * c), ctx.key)
-        return split(p, size), decode_own(p), c
+        p, own = _encode_whole(ctx, flat, residual, size * c)
+        return split(p, size), own, c
     chunks, c = chunked(flat, size)
     key = ctx.key
     keys = None if key is None else jax.vmap(lambda j: jax.random.fold_in(key, j))(jnp.arange(size))
@@ -126,7 +140,21 @@ def _first_compression(ctx: Context, flat: jax.Array) -> tuple[Payload, jax.Arra
     return payloads, decode_rows(payloads, fused=True).reshape(-1), c
 
 
-def _pipelined(ctx: Context, flat: jax.Array, state, depth: int):
+def _encode_whole(ctx: Context, flat: jax.Array, residual, length: int):
+    """``flat`` (plus ``residual``) zero padded to ``length`` and encoded
+    once: ``(payload, own)``, ``own`` what the payload decodes to, or with a
+    ``residual`` what the input kept (:func:`compress_kept`, the payload
+    tied to ``ctx.dep``)."""
+    if residual is None:
+        p = ctx.codec.encode(padded(flat, length), ctx.key)
+        return p, decode_own(p)
+    p, kept = compress_kept(
+        ctx.codec, padded(flat, length), padded(residual, length), ctx.key, flat.dtype
+    )
+    return after(p, ctx.dep), kept
+
+
+def _pipelined(ctx: Context, flat: jax.Array, residual, state, depth: int):
     """Two-phase in ``depth`` segments. The tensor is encoded once and its
     payload cut per owner, as in :func:`_two_phase`; each owner's chunk is
     then viewed as ``depth`` parts, and segment ``s`` (the ``s``-th part of
@@ -152,8 +180,8 @@ def _pipelined(ctx: Context, flat: jax.Array, state, depth: int):
     me = lax.axis_index(ctx.axis)
     n = flat.size
     c = chunk_len(ctx.codec, n, ctx.size)
-    p = ctx.codec.encode(padded(flat, ctx.size * c), ctx.key)
-    sent = decode_own(p)  # my chunks as their owners see them
+    # my chunks as their owners see them (or what my input kept)
+    p, sent = _encode_whole(ctx, flat, residual, ctx.size * c)
     # [size * depth] payloads of ``c / depth`` values, owner-major.
     pieces = split(p, ctx.size * depth)
     states = None if state is None else state.reshape(depth, c // depth)
@@ -161,7 +189,8 @@ def _pipelined(ctx: Context, flat: jax.Array, state, depth: int):
     total = jnp.stack(totals, axis=1).reshape(-1)[:n]
     if state is not None:
         return total, sent[:n], jnp.concatenate(new_states)
-    return total, charge(sent, me, c, jnp.concatenate(errors))[:n], None
+    errors = jnp.concatenate(errors)
+    return total, charge(sent, me, c, errors, kept=residual is not None)[:n], None
 
 
 def _segments(ctx: Context, pieces: Payload, states, depth: int, dtype):

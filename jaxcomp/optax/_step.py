@@ -1,11 +1,15 @@
 """One step of ``compress_gradients`` in named pieces.
 
-``pack`` fuses the leaves and their residuals into one buffer per group of
-the plan (``acc = grad + residual``), ``reduce`` averages the buffers over
-the devices (compressed, or exactly during warm-up), and ``unpack`` splits
-the means back into gradient leaves and what each device did not get across
-(``acc - sent``) into residual leaves. The buffers exist only within a step:
-the state holds one residual per leaf, so fusion does not shape it.
+``pack`` joins the leaves of every group of the plan into one gradient
+buffer and their residuals into one float32 buffer, ``reduce`` averages
+``acc = grad + residual`` over the devices (compressed, or exactly during
+warm-up) and returns, besides the means, what each device's ``acc`` did
+not get across (``acc - sent``, its new residual), and ``unpack`` splits
+both back into leaves. The compressed buckets form ``acc`` inside their
+first compression (``jc.collectives``' ``pmean_kept``): where the codec has
+a one-pass kernel, on the CPU, neither ``acc`` nor ``sent`` is written out.
+The buffers exist only within a step: the state holds one residual per
+leaf, so fusion does not shape it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.collectives import after, pmean
+from jaxcomp.collectives._api import pmean_kept
 from jaxcomp.optax._plan import Bucket, Plan
 
 
@@ -29,8 +34,25 @@ def _acc_dtype(group: Bucket):
     return jnp.promote_types(group.dtype, jnp.float32)
 
 
-def pack(plan: Plan, leaves: list, residuals: list) -> tuple[jax.Array, ...]:
-    """The fused buffer ``acc = grad + residual`` of every group of the plan.
+class Packed(NamedTuple):
+    """One group's buffers: ``grad`` in the group's dtype, ``residual`` in
+    its accumulation dtype (float32, or float64 for float64 leaves), None
+    where the group has no residuals (complex leaves, or no error
+    feedback)."""
+
+    grad: jax.Array
+    residual: jax.Array | None
+
+    def acc(self) -> jax.Array:
+        """``grad + residual`` in the accumulation dtype (``grad`` without
+        a residual)."""
+        if self.residual is None:
+            return self.grad
+        return self.grad.astype(self.residual.dtype) + self.residual
+
+
+def pack(plan: Plan, leaves: list, residuals: list) -> tuple[Packed, ...]:
+    """The gradient and residual buffers of every group of the plan.
 
     Args:
       plan: the step's :class:`Plan`.
@@ -38,58 +60,66 @@ def pack(plan: Plan, leaves: list, residuals: list) -> tuple[jax.Array, ...]:
       residuals: this device's residual of every leaf, shaped like it (None
         for a leaf without one, and for every leaf without error feedback).
     Returns:
-      One flat buffer per ``plan.groups`` entry: float32 for floating-point
-      leaves (float64 ones stay float64), the leaves' dtype for complex ones.
+      One :class:`Packed` per ``plan.groups`` entry, flat.
     """
 
-    def fused(group):
-        dtype = _acc_dtype(group)
-        parts = []
-        for i in group.leaves:
-            part = leaves[i].reshape(-1).astype(dtype)
-            r = residuals[i]
-            parts.append(part if r is None else part + r.reshape(-1).astype(dtype))
+    def joined(parts):
         return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
-    return tuple(fused(g) for g in plan.groups)
+    def packed(group):
+        grad = joined([leaves[i].reshape(-1).astype(group.dtype) for i in group.leaves])
+        rs = [residuals[i] for i in group.leaves]
+        if any(r is None for r in rs):
+            return Packed(grad, None)
+        dtype = _acc_dtype(group)
+        return Packed(grad, joined([r.reshape(-1).astype(dtype) for r in rs]))
+
+    return tuple(packed(g) for g in plan.groups)
 
 
 def _compressed_mean(buckets, operands, *, axes, key, algorithm):
-    accs, servers = operands
-    values, sent, new_servers = [], [], []
+    packs, servers = operands
+    values, kept, new_servers = [], [], []
     previous = None
-    for j, (b, acc) in enumerate(zip(buckets, accs, strict=True)):
+    for j, (b, pk) in enumerate(zip(buckets, packs, strict=True)):
         # One bucket's collectives after the other's, on every device alike
         # (XLA:CPU, see ``after``).
-        acc = after(acc, previous)
-        r = pmean(
-            acc.astype(b.dtype),
-            axes,
-            b.codec,
+        kw = dict(
             key=jax.random.fold_in(key, j),
             algorithm=algorithm,
             state=None if servers is None else servers[j],
         )
-        values.append(r.value)
-        sent.append(r.sent)
-        new_servers.append(r.state)
-        previous = (r.value, r.sent, r.state)
-    return tuple(values), tuple(sent), None if servers is None else tuple(new_servers)
+        if pk.residual is None:
+            r = pmean(after(pk.grad, previous), axes, b.codec, **kw)
+            value, left, state = r.value, None, r.state
+        else:
+            value, left, state = pmean_kept(
+                pk.grad, pk.residual, axes, b.codec, after=previous, **kw
+            )
+        values.append(value)
+        kept.append(left)
+        new_servers.append(state)
+        previous = (value, left, state)
+    return tuple(values), tuple(kept), None if servers is None else tuple(new_servers)
 
 
 def _exact_mean(groups, operands, *, axes):
     """The exact mean; server residuals (if any) pass through unchanged."""
-    accs, servers = operands
+    packs, servers = operands
+    accs = [pk.acc() for pk in packs]
     sent = tuple(acc.astype(g.dtype) for g, acc in zip(groups, accs, strict=True))
     if not sent:
         return (), (), servers
     values = lax.pmean(sent, axes)  # one all-reduce for all the groups
-    sent = tuple(s.astype(a.dtype) for s, a in zip(sent, accs, strict=True))
-    return tuple(values), sent, servers
+    kept = tuple(
+        None if pk.residual is None else acc - s.astype(acc.dtype)
+        for pk, acc, s in zip(packs, accs, sent, strict=True)
+    )
+    return tuple(values), kept, servers
 
 
-def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None):
-    """The mean over the devices of every group's buffer.
+def reduce(plan: Plan, packs, axes, *, key, algorithm: str, warmup, servers=None):
+    """The mean over the devices of every group's ``grad + residual``.
 
     The compressed buckets go through ``jc.pmean`` with their codec (one
     key per bucket, folded from ``key``), or, in a warm-up step, through one
@@ -98,7 +128,7 @@ def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None)
 
     Args:
       plan: the step's :class:`Plan`.
-      accs: the buffers of :func:`pack`.
+      packs: the buffers of :func:`pack`.
       axes: the mesh axis (or the pair of hierarchical axes).
       key: the step's PRNG key.
       algorithm: ``jc.pmean``'s algorithm.
@@ -107,23 +137,23 @@ def reduce(plan: Plan, accs, axes, *, key, algorithm: str, warmup, servers=None)
       servers: this device's server residual of every compressed bucket
         (``jc.pmean``'s ``state``), or None (one-level error feedback).
     Returns:
-      ``(means, sent, servers)``: per group, the mean, in the group's
-      dtype and identical on every device, and what this device's buffer
-      became on the wire, in the buffer's dtype; the new server residuals
-      (None without).
+      ``(means, kept, servers)``: per group, the mean, in the group's dtype
+      and identical on every device, and what this device's ``acc`` kept
+      (``acc - sent``, its new residual; None without a residual); the new
+      server residuals (None without).
     """
     nb = len(plan.buckets)
     compressed = functools.partial(
         _compressed_mean, plan.buckets, axes=axes, key=key, algorithm=algorithm
     )
     if warmup is None or not nb:
-        means, sent, servers = compressed((accs[:nb], servers))
+        means, kept, servers = compressed((packs[:nb], servers))
     else:
         exact = functools.partial(_exact_mean, plan.buckets, axes=axes)
-        means, sent, servers = lax.cond(warmup, exact, compressed, (accs[:nb], servers))
-    rest = after(accs[nb:], (means, sent, servers))  # the exact all-reduce comes last
-    exact_means, exact_sent, _ = _exact_mean(plan.groups[nb:], (rest, None), axes=axes)
-    return means + exact_means, sent + exact_sent, servers
+        means, kept, servers = lax.cond(warmup, exact, compressed, (packs[:nb], servers))
+    rest = after(packs[nb:], (means, kept, servers))  # the exact all-reduce comes last
+    exact_means, exact_kept, _ = _exact_mean(plan.groups[nb:], (rest, None), axes=axes)
+    return means + exact_means, kept + exact_kept, servers
 
 
 def _finite(a: jax.Array) -> jax.Array:
@@ -184,36 +214,31 @@ def _split(buffer, group: Bucket, plan: Plan) -> list[tuple[int, jax.Array]]:
     return out
 
 
-def unpack(plan: Plan, leaves: list, accs, means, sent, residual_dtype) -> Unpacked:
-    """Splits the means into gradient leaves and ``acc - sent`` into
+def unpack(plan: Plan, leaves: list, means, kept, residual_dtype) -> Unpacked:
+    """Splits the means into gradient leaves and what each buffer kept into
     residual leaves.
 
     Args:
       plan: the step's :class:`Plan`.
       leaves: the gradient leaves (float0 ones are passed through).
-      accs, means, sent: the buffers of :func:`pack` and :func:`reduce`.
+      means, kept: the buffers of :func:`reduce`.
       residual_dtype: the residuals' dtype; None without error feedback.
     Returns:
-      The :class:`Unpacked` leaves. ``residuals_finite`` checks ``acc``
-      (and the residuals themselves only in a narrower ``residual_dtype``):
-      with finite means, that is every residual being finite, since a
-      non-finite value in what this device sent reaches the sum.
+      The :class:`Unpacked` leaves. ``residuals_finite`` checks the new
+      residuals: with finite means, a non-finite one comes from a
+      non-finite ``acc`` (a non-finite value in what a device sent reaches
+      the sum, and so the mean, which the caller checks) or from the
+      residual dtype's range.
     """
     updates, residuals = list(leaves), [None] * len(leaves)
     finite = []
-    for group, acc, mean, s in zip(plan.groups, accs, means, sent, strict=True):
+    for group, mean, left in zip(plan.groups, means, kept, strict=True):
         for i, leaf in _split(mean, group, plan):
             updates[i] = leaf.astype(plan.dtypes[i])
-        if residual_dtype is None or not group.carries_residual:
+        if residual_dtype is None or left is None:
             continue
-        error = (acc - s).astype(residual_dtype)
-        # A residual is finite where acc is and the mean is (a non-finite
-        # decoded value of this device's payload reaches the sum, and so the
-        # mean, which the caller checks): checking acc, already in memory,
-        # lets XLA fuse the residual into the leaves it is written to. A
-        # narrower residual dtype can overflow on its own: check it then.
-        narrower = jnp.dtype(residual_dtype).itemsize < jnp.dtype(acc.dtype).itemsize
-        finite.append(error if narrower else acc)
+        error = left.astype(residual_dtype)
+        finite.append(error)
         for i, leaf in _split(error, group, plan):
             residuals[i] = leaf
     return Unpacked(updates, residuals, all_finite(finite))

@@ -197,18 +197,18 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
         if config.error_feedback:
             warn_unsafe(plan, config)
         inputs = read_inputs(plan, grads, state, config, sizes)
-        accs = pack(plan, inputs.leaves, inputs.residuals)
+        packs = pack(plan, inputs.leaves, inputs.residuals)
         warmup = None if config.never_warm else inputs.in_warmup
-        means, sent, servers = reduce(
+        means, kept, servers = reduce(
             plan,
-            accs,
+            packs,
             config.axes(sizes),
             key=inputs.step_key,
             algorithm=config.algorithm,
             warmup=warmup,
             servers=inputs.servers,
         )
-        out = unpack(plan, inputs.leaves, accs, means, sent, config.feedback_dtype)
+        out = unpack(plan, inputs.leaves, means, kept, config.feedback_dtype)
         # The means are identical on every device, and a non-finite value in
         # any device's acc reaches them, for every codec and algorithm
         # (tests/test_nonfinite.py): one flag, no collective.
