@@ -139,10 +139,7 @@ class Algorithm:
         has the kernel, with the same bits, and tie their first collective's
         payload to ``ctx.dep`` (:func:`~jaxcomp.collectives.after`).
         """
-        # The order tie (``ctx.dep``) fuses into the sum.
-        acc = after(flat, ctx.dep).astype(jnp.float32) + residual
-        value, sent, state = self.run(ctx, acc.astype(flat.dtype), state)
-        return value, acc - sent, state
+        return _by_steps(self.run, ctx, flat, residual, state)
 
     def chosen(self, codec: Codec, n: int, axes: Axes) -> bool:
         """Whether ``auto`` picks this algorithm (asked in the order of
@@ -249,12 +246,20 @@ def all_reduce_feedback(
 ) -> FlatReduced:
     """The all-reduce of ``flat + residual`` by ``algorithm`` under error
     feedback: ``(value, kept, state)`` (:meth:`Algorithm.run_feedback`)."""
-    if not ctx.axes.hierarchical and ctx.size == 1:  # no collective to order
-        acc = flat.astype(jnp.float32) + residual
-        value, sent, state = _one_device(ctx, acc.astype(flat.dtype), state)
-        return value, acc - sent, state
+    if not ctx.axes.hierarchical and ctx.size == 1:
+        return _by_steps(_one_device, ctx, flat, residual, state)
     alg = resolve(ctx.codec, flat.size, ctx.axes, algorithm, "jc.psum")
     return alg.run_feedback(ctx, flat, residual, state)
+
+
+def _by_steps(run, ctx: Context, flat, residual, state) -> FlatReduced:
+    """Error feedback around ``run(ctx, x, state) -> (value, sent,
+    state)`` as separate steps: ``acc = flat + residual`` in float32, ``run``
+    of ``acc`` in ``flat``'s dtype, and ``acc - sent`` kept. The order tie
+    (``ctx.dep``) fuses into the sum."""
+    acc = after(flat, ctx.dep).astype(jnp.float32) + residual
+    value, sent, state = run(ctx, acc.astype(flat.dtype), state)
+    return value, acc - sent, state
 
 
 def _one_device(ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:

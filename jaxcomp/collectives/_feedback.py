@@ -39,11 +39,11 @@ def compress_kept(
     - decoded)``, float32 and flat.
 
     ``x`` is flat, in ``dtype`` or float32; ``kept`` a float32 residual of
-    its length; the float32 sum is compressed in ``dtype`` (the tensor's). With :func:`one_pass`,
-    ``Codec.encode_feedback`` on the CPU and the separate calls on other
-    platforms (``lax.platform_dependent``); the bits are the same either
-    way on the CPU (tests/test_feedback.py), and the calls are what ran
-    before on the others.
+    its length; the float32 sum is compressed in ``dtype`` (the tensor's).
+    With :func:`one_pass`, ``Codec.encode_feedback`` on the CPU and the
+    separate calls on other platforms (``lax.platform_dependent``); the
+    bits are the same either way on the CPU (tests/test_feedback.py), and
+    the calls are what ran before on the others.
     """
 
     def calls(x, kept):
