@@ -9,9 +9,11 @@ the same result from the separate kernels (``acc = x + residual``, encode,
 decode, ``acc - decoded``: what ``jc.optax.compress_gradients`` computes
 today); the twins of both (``backend="xla"``). Each is timed as a jitted
 loop that carries the residual from one call to the next, as training
-does, beside a floor measured in the same run: a pass that reads the
-gradient and the residual and writes the new residual (``x + r / 2``, no
-codec). GB/s of float32 gradient; x floor: that pass's time over the row's.
+does, and the payload (which XLA would otherwise not write from the
+twins' fusion), beside a floor measured in the same run: a pass that reads
+the gradient and the residual and writes the new residual (``x + r / 2``,
+no codec). GB/s of float32 gradient; x floor: the row's time over that
+pass's.
 """
 
 from __future__ import annotations
@@ -36,11 +38,26 @@ def main() -> int:
     r0 = _bench.make_input(n, seed=2) * 0.1
     key = jax.random.key(0)
 
-    def seconds(step):
-        single = _bench._median_seconds(lambda: jax.jit(lambda r: step(0, r))(r0), args.reps, 0.2)
-        return _bench._loop_seconds(step, r0, single, args.reps, 0.2)
+    def seconds(step, carry):
+        single = _bench._median_seconds(
+            lambda: jax.jit(lambda c: step(0, c))(carry), args.reps, 0.2
+        )
+        return _bench._loop_seconds(step, carry, single, args.reps, 0.2)
 
-    floor = seconds(lambda i, r: x + r * 0.5)
+    def carrying(path):
+        """``path(i, r) -> (payload, r)`` as a loop step that carries the
+        payload's arrays too, so that XLA cannot drop a payload nobody reads
+        (it would, from the twins' fusion, and not from a kernel's)."""
+
+        def step(i, carry):
+            payload, r = path(i, carry[1])
+            return payload.arrays, r
+
+        shapes = jax.eval_shape(lambda r: step(0, ({}, r)), r0)[0]
+        zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
+        return step, (zeros, r0)
+
+    floor = seconds(lambda i, r: x + r * 0.5, r0)
     gbps = 4 * n / 1e9
     print(f"{n} float32 values; {jc._ffi.kernels_line()}")
     print(f"floor (read x and r, write r): {floor * 1e3:.2f} ms, {gbps / floor:.1f} GB/s")
@@ -50,12 +67,12 @@ def main() -> int:
     for codec in codecs:
 
         def fused(i, r, codec=codec, backend="ffi"):
-            return codec.encode_feedback(x, r, jax.random.fold_in(key, i), backend=backend)[1]
+            return codec.encode_feedback(x, r, jax.random.fold_in(key, i), backend=backend)
 
         def by_calls(i, r, codec=codec, backend="ffi"):
             acc = x + r
             payload = codec.encode(acc, jax.random.fold_in(key, i), backend=backend)
-            return acc - codec.decode(payload, backend=backend)
+            return payload, acc - codec.decode(payload, backend=backend)
 
         paths = [
             ("fused kernel", fused),
@@ -63,7 +80,7 @@ def main() -> int:
             ("twins, fused by XLA", lambda i, r, f=fused: f(i, r, backend="xla")),
         ]
         for label, step in paths:
-            t = seconds(step)
+            t = seconds(*carrying(step))
             print(f"| `{codec}` | {label} | {t * 1e3:.2f} | {gbps / t:.1f} | {t / floor:.2f} |")
     return 0
 
