@@ -162,11 +162,13 @@ def test_send_auto_follows_the_codec_rate(codec, same_as):
     "codec, send", [(jc.codecs.OneBit(), "momentum"), (jc.codecs.TopK(fraction=0.05), "gradient")]
 )
 def test_momentum_error_feedback_conserves(codec, send):
-    """Nothing the codec drops from the momentum is lost: over 1,000 steps
+    """Nothing the codec drops from the momentum is lost: over 300 steps
     after the warm-up, P times the sum of what the common momentum took in
     (mu, or mu - b1 mu_prev where only the new part is sent) plus every
-    device's residual equals the sum of what the devices sent."""
-    mesh, warm, steps = mesh_of(N_DEV), 3, 1000
+    device's residual equals the sum of what the devices sent. (300 steps:
+    the books balance at every step or at none; the 1,000-step case of the
+    suite is the gradient's, tests/test_optax.py.)"""
+    mesh, warm, steps = mesh_of(N_DEV), 3, 300
     tx = jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=warm, algorithm="allgather", send=send)
     state, _, mus = run(mesh, tx, steps)
     s = _adam_state(state)
