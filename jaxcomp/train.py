@@ -41,8 +41,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._axes import names_of
+from jaxcomp.optax import DiLoCoState
 from jaxcomp.optax import init as init_state
-from jaxcomp.optax._state import check_laid_out, partition_specs
+from jaxcomp.optax._state import check_laid_out, find_states, partition_specs
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -178,7 +179,9 @@ class DataParallel:
         # (device_put may reuse the caller's buffer on one device).
         params = jax.device_put(params, self.replicated)
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.replicated)(params)
-        return params, init_state(self.tx, params, self.mesh, self.axis_name)
+        opt_state = init_state(self.tx, params, self.mesh, self.axis_name)
+        refuse_per_replica_params(opt_state)
+        return params, opt_state
 
     def module(self, params):
         """The NNX module rebuilt from trained ``params`` and the other
@@ -313,6 +316,7 @@ class DataParallel:
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
 
         def local(params, opt_state, batch, rest, key=None):
+            refuse_per_replica_params(opt_state)
             mutated: list = []
             grad_fn = jax.value_and_grad(
                 functools.partial(self._loss, mutated=mutated), has_aux=True
@@ -408,6 +412,20 @@ _COLLECTIVES = frozenset(
 # What each value of the update's jaxpr depends on: (this device's data?,
 # the axes of the collectives it passed through).
 _CLEAN = (False, frozenset())
+
+
+def refuse_per_replica_params(opt_state) -> None:
+    """Raises for an optimizer whose replicas keep parameters of their own
+    (``jc.optax.diloco``): this step lays the parameters out replicated, so
+    each device's copy would be declared one value, and lost at the first
+    reshard or checkpoint."""
+    if any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
+        raise ValueError(
+            "jc.data_parallel: jc.optax.diloco keeps one copy of the parameters per replica, "
+            "and this step lays the parameters out replicated (each device's copy would be "
+            "declared one value and lost at the first reshard or checkpoint). Write the "
+            "shard_map step of docs/diloco.md, with the parameters sharded per replica."
+        )
 
 
 def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:

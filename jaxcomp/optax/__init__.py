@@ -7,12 +7,14 @@ the telemetry; tensor fusion, the per-leaf codec policy and warm-up decide
 how each step sends the gradients, and the state does not depend on them.
 ``onebit_adam`` is Adam whose momentum is sent compressed after a warm-up
 (1-bit Adam); ``powersgd`` sends a low-rank approximation of every
-matrix-shaped gradient (PowerSGD); ``pmean`` is the uncompressed baseline
+matrix-shaped gradient (PowerSGD); ``diloco`` synchronizes the replicas every H steps only
+(DiLoCo), optionally through a codec; ``pmean`` is the uncompressed baseline
 (``lax.pmean`` of the gradients, with telemetry). See docs/training.md.
 """
 
 from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomp.optax._chain import init
+from jaxcomp.optax._diloco import DiLoCoState, diloco
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._pmean import PmeanState, pmean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
@@ -23,12 +25,14 @@ from jaxcomp.optax._transform import CompressState, compress_gradients
 __all__ = [
     "Bucket",
     "CompressState",
+    "DiLoCoState",
     "OneBitAdamState",
     "Plan",
     "PmeanState",
     "PowerSGDState",
     "Telemetry",
     "compress_gradients",
+    "diloco",
     "init",
     "make_plan",
     "onebit_adam",

@@ -17,7 +17,7 @@ from jax import lax
 
 from jaxcomp.optax._config import bound_axis_sizes
 from jaxcomp.optax._state import all_reduce_state, check_type
-from jaxcomp.optax._telemetry import Telemetry, exact_stats, zero_telemetry
+from jaxcomp.optax._telemetry import Telemetry, exact_stats, static_telemetry, zero_telemetry
 
 _WHO = "jc.optax.pmean"
 
@@ -101,10 +101,4 @@ def _telemetry(grads, sizes: tuple[int, ...], previous: Telemetry) -> Telemetry:
     elements = sum(int(np.prod(g.shape, dtype=np.int64)) for g in leaves)
     payload = sum(g.size * g.dtype.itemsize for g in leaves if _is_reduced(g))
     bits, wire, ratio = exact_stats(payload, elements, int(np.prod(sizes)))
-    return Telemetry(
-        jnp.float32(bits),
-        jnp.float32(wire),
-        jnp.float32(ratio),
-        jnp.zeros((), jnp.float32),
-        previous.skipped_steps,
-    )
+    return static_telemetry(bits, wire, ratio, previous)

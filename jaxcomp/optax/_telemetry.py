@@ -58,6 +58,18 @@ def zero_telemetry() -> Telemetry:
     return Telemetry(zero, zero, zero, zero, jnp.zeros((), jnp.int32))
 
 
+def static_telemetry(bits: float, wire: float, ratio: float, previous: Telemetry) -> Telemetry:
+    """A step's telemetry from its static accounting: no residual norm, and
+    the skipped steps carried over from ``previous``."""
+    return Telemetry(
+        jnp.float32(bits),
+        jnp.float32(wire),
+        jnp.float32(ratio),
+        jnp.zeros((), jnp.float32),
+        previous.skipped_steps,
+    )
+
+
 def count_skipped(previous: Telemetry, ok) -> jax.Array:
     """int32[]: ``previous.skipped_steps``, plus one if this step's mean was
     not finite (``ok`` False)."""

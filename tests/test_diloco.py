@@ -1,0 +1,291 @@
+"""jc.optax.diloco (DiLoCo, arXiv 2311.08105): replicas train alone for
+sync_every steps, then average their pseudo-gradients and restart from the
+same anchor. Four simulated devices, parameters laid out per replica."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxcomp as jc
+
+AXIS, N_DEV, LR = "data", 4, 0.05
+
+
+def mesh_of(n):
+    if len(jax.devices()) < n:
+        pytest.skip(f"needs {n} devices")
+    return jax.make_mesh((n,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def params0():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return {
+        "w": jax.random.normal(k1, (24, 8)) * 0.3,
+        "b": jnp.zeros((8,)),
+        "k": jax.random.normal(k2, (700,)),
+    }
+
+
+def loss(p, x, y):
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2) + 1e-3 * jnp.sum(jnp.sin(p["k"]) ** 2)
+
+
+def data(t):
+    """Each device's batch at step t: [N_DEV, 16, 24] and [N_DEV, 16, 8],
+    different per device (the replicas drift apart within a round)."""
+    kx, ky = jax.random.split(jax.random.fold_in(jax.random.key(1), t))
+    x = jax.random.normal(kx, (N_DEV, 16, 24))
+    return x, x[..., :8] * 0.5 + 0.1 * jax.random.normal(ky, (N_DEV, 16, 8))
+
+
+def per_replica(mesh, tree):
+    """``tree`` copied once per device along the data axis."""
+    sharding = NamedSharding(mesh, P(AXIS))
+    return jax.device_put(jax.tree.map(lambda a: jnp.stack([a] * N_DEV), tree), sharding)
+
+
+def make_step(mesh, tx, state):
+    specs = jc.optax.state_specs(state, AXIS)
+
+    def body(params, state, x, y):
+        p = jax.tree.map(lambda a: a[0], params)  # this replica's parameters
+        g = jax.grad(loss)(p, x[0], y[0])  # its own gradient, not averaged
+        u, state = tx.update(g, state, p)
+        return jax.tree.map(lambda a: a[None], optax.apply_updates(p, u)), state
+
+    f = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(AXIS), specs, P(AXIS), P(AXIS)),
+        out_specs=(P(AXIS), specs),
+        check_vma=False,
+    )
+    return jax.jit(f)
+
+
+def start(mesh, tx):
+    params = params0()
+    state = jc.optax.init(tx, params, mesh, AXIS)
+    return per_replica(mesh, params), state, make_step(mesh, tx, state)
+
+
+def shards(a) -> list[np.ndarray]:
+    return [np.asarray(s.data) for s in a.addressable_shards]
+
+
+CASES = {
+    "float32": {},
+    "int8": {"codec": "int8"},
+    "qsgd4-ef": {"codec": "qsgd:bits=4", "error_feedback": True},
+}
+
+
+@pytest.mark.parametrize("options", CASES.values(), ids=CASES.keys())
+def test_replicas_restart_from_one_anchor_every_round(options):
+    """After every synchronization the anchor is the same bits on every
+    device and every replica's parameters equal it (up to the rounding of
+    adding an update to different local values, which never accumulates);
+    within a round the replicas differ."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=3, **options)
+    params, state, step = start(mesh, tx)
+    anchor0 = params0()
+    for t in range(9):
+        params, state = step(params, state, *data(t))
+        for k in anchor0:
+            rows = shards(state.anchor[k])
+            for r in rows[1:]:
+                np.testing.assert_array_equal(r, rows[0], err_msg=f"{k} step {t + 1}")
+            local = np.asarray(params[k])
+            if (t + 1) % 3 == 0:
+                scale = np.abs(rows[0]).max() + 1e-30
+                assert np.abs(local - rows[0][None]).max() <= 4 * np.finfo(np.float32).eps * scale
+            elif k == "w":
+                assert not np.array_equal(local[0], local[1]), f"step {t + 1}"
+                np.testing.assert_array_equal(rows[0], np.asarray(anchor0[k]) if t < 2 else rows[0])
+    assert int(state.step) == 9
+    assert not np.allclose(np.asarray(state.anchor["w"]), np.asarray(anchor0["w"]))
+
+
+def test_one_step_rounds_of_sgd_are_data_parallel_sgd():
+    """sync_every=1, inner SGD with lr and outer SGD with 1.0: the anchor moves
+    by lr times the mean gradient, as data-parallel SGD."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.sgd(LR), AXIS, sync_every=1, outer=optax.sgd(1.0))
+    params, state, step = start(mesh, tx)
+    want = params0()
+    for t in range(4):
+        x, y = data(t)
+        grads = [jax.grad(loss)(want, x[i], y[i]) for i in range(N_DEV)]
+        mean = jax.tree.map(lambda *g: sum(g) / N_DEV, *grads)
+        want = jax.tree.map(lambda p, g: p - LR * g, want, mean)
+        params, state = step(params, state, x, y)
+        for k in want:
+            np.testing.assert_allclose(
+                np.asarray(params[k]), np.stack([want[k]] * N_DEV), rtol=2e-5, atol=1e-6
+            )
+
+
+_CALLED = re.compile(
+    r"(?:calls|to_apply|body|condition|true_computation|false_computation)=(%[\w.\-]+)"
+)
+_COLLECTIVE = re.compile(
+    r"= [^=]*\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(-start)?\("
+)
+
+
+def _computations(hlo: str) -> tuple[str, dict[str, str]]:
+    """(entry name, {name: body}) of an HLO module's text."""
+    comps, entry, name, body = {}, None, None, []
+    for line in hlo.splitlines():
+        m = re.match(r"^(ENTRY )?(%[\w.\-]+) .*\{$", line)
+        if m:
+            name, body = m.group(2), []
+            entry = name if m.group(1) else entry
+        elif line.startswith("}") and name:
+            comps[name] = "\n".join(body)
+            name = None
+        elif name:
+            body.append(line)
+    return entry, comps
+
+
+def _collectives_outside_synchronization(hlo: str) -> tuple[set, set]:
+    """The collectives reachable from the entry without entering the
+    synchronizing branch (branch 1 of a conditional), and those inside it."""
+    entry, comps = _computations(hlo)
+
+    def walk(root, follow_sync):
+        seen, todo, found = set(), [root], set()
+        while todo:
+            c = todo.pop()
+            if c in seen or c not in comps:
+                continue
+            seen.add(c)
+            for line in comps[c].splitlines():
+                m = _COLLECTIVE.search(line)
+                if m:
+                    found.add(m.group(1))
+                todo += _CALLED.findall(line)
+                b = re.search(r"branch_computations=\{([^}]*)\}", line)
+                if b:
+                    branches = [s.strip() for s in b.group(1).split(",")]
+                    todo += branches if follow_sync else branches[:1]
+        return found
+
+    return walk(entry, False), walk(entry, True)
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_no_collective_runs_within_a_round(codec):
+    """In the compiled step, every collective is inside the branch that the
+    end of a round takes; the other branch, and the rest of the step, have
+    none."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=4, codec=codec)
+    params, state, step = start(mesh, tx)
+    hlo = step.lower(params, state, *data(0)).compile().as_text()
+    outside, everywhere = _collectives_outside_synchronization(hlo)
+    assert outside == set(), outside
+    assert everywhere, "the synchronization has no collective"
+
+
+def test_resume_mid_round_with_orbax_is_bit_identical(tmp_path):
+    """Saving params and state two steps into a round of three, restoring
+    them (sharded again) and going on gives the uninterrupted run's bits."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(
+        optax.adam(LR), AXIS, sync_every=3, codec="qsgd:bits=4", error_feedback=True
+    )
+    params, state, step = start(mesh, tx)
+    whole = (params, state)
+    for t in range(7):
+        whole = step(*whole, *data(t))
+    for t in range(5):
+        params, state = step(params, state, *data(t))
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", {"params": params, "state": state})
+    ckpt.wait_until_finished()
+    like = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "state": state})
+    restored = ckpt.restore(tmp_path / "ckpt", like)
+    assert restored["state"].residual.sharding.spec == P(AXIS)
+    params, state = restored["params"], restored["state"]
+    for t in range(5, 7):
+        params, state = step(params, state, *data(t))
+    for x, y in zip(jax.tree.leaves((params, state)), jax.tree.leaves(whole), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_error_feedback_carries_what_the_codec_dropped():
+    """One round's books with a codec and error feedback: P times the
+    anchor's move (outer SGD, lr 1) plus every replica's new residual is the
+    sum of the replicas' pseudo-gradients and old residuals; the residual
+    is not zero (the codec dropped something)."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(
+        optax.sgd(LR), AXIS, sync_every=1, outer=optax.sgd(1.0), codec="onebit", error_feedback=True
+    )
+    params, state, step = start(mesh, tx)
+
+    def flat(tree):
+        return np.concatenate([np.ravel(np.asarray(tree[k], np.float64)) for k in sorted(tree)])
+
+    for t in range(3):
+        anchor = {k: np.asarray(shards(state.anchor[k])[0]) for k in state.anchor}
+        x, y = data(t)
+        deltas = sum(flat(jax.grad(loss)(anchor, x[i], y[i])) * LR for i in range(N_DEV))
+        old = np.asarray(state.residual, np.float64).sum(0)
+        params, state = step(params, state, x, y)
+        new_anchor = {k: np.asarray(shards(state.anchor[k])[0]) for k in state.anchor}
+        new = np.asarray(state.residual, np.float64).sum(0)
+        moved = N_DEV * (flat(anchor) - flat(new_anchor))
+        np.testing.assert_allclose(moved + new, deltas + old, rtol=1e-4, atol=1e-5)
+        assert np.abs(new).max() > 0
+
+
+def test_telemetry_and_misuse():
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=50, codec="int8")
+    params, state, step = start(mesh, tx)
+    params, state = step(params, state, *data(0))
+    t = jc.optax.telemetry(state)
+    n = 24 * 8 + 8 + 700
+    every_step = 2 * (N_DEV - 1) / N_DEV * 4 * n  # a float32 ring all-reduce per step
+    assert float(t["wire_bytes"]) < every_step / 50
+    assert float(t["compression_ratio"]) > 50
+    with pytest.raises(ValueError, match="sync_every"):
+        jc.optax.diloco(optax.adam(LR), AXIS, sync_every=0)
+    with pytest.raises(ValueError, match="needs a codec"):
+        jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, error_feedback=True)
+    with pytest.raises(ValueError, match="per replica"):
+        jc.data_parallel(lambda p, b: loss(p, *b), tx, mesh).init(params0())
+    with pytest.raises(ValueError, match="needs params"):
+        tx.update(params0(), jax.tree.map(lambda a: a, tx.init(params0())))
+
+
+def test_the_docs_example_runs():
+    """docs/diloco.md's loop, with a model, a mesh and batches of its own."""
+    doc = pathlib.Path(__file__).resolve().parents[1] / "docs" / "diloco.md"
+    (block,) = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)[:1]
+    mesh = mesh_of(N_DEV)
+    batches = [jax.device_put(data(t), NamedSharding(mesh, P(AXIS))) for t in range(3)]
+    scope = {
+        "params": params0(),
+        "mesh": mesh,
+        "n_devices": N_DEV,
+        "batches": batches,
+        "loss_fn": lambda p, batch: loss(p, batch[0][0], batch[1][0]),
+    }
+    exec(block, scope)
+    assert int(scope["state"].step) == 3
+    assert np.isfinite(np.asarray(scope["local"]["w"])).all()
