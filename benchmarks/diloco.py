@@ -7,8 +7,12 @@ Every replica draws its own batches (the same keys in every row), so each
 row sees the same tokens. Rows: ``dp`` is the data-parallel step
 (``lax.pmean`` of the gradients, then AdamW); ``diloco:H[:codec[:ef]]`` is
 ``jc.optax.diloco(AdamW, sync_every=H, codec=..., error_feedback=...)``
-with the paper's outer optimizer (SGD, Nesterov 0.9, lr 0.7), the
-parameters laid out per replica. The inner AdamW is the data-parallel
+with the paper's outer optimizer (SGD, Nesterov 0.9, lr 0.7; ``--outer-lr``
+changes the lr), the parameters laid out per replica. ``sparseloco:H[:k]``
+is SparseLoCo (arXiv 2508.15706) through the same transformation: the top
+``k`` (default 2) of every 64 values of the pseudo-gradient plus its
+residual, as 2-bit QSGD values, error feedback decayed by 0.95 in place of
+the outer momentum, outer SGD with lr 1. The inner AdamW is the data-parallel
 one's, schedule included. Reported: the bytes a device sends per inner step
 (a ring all-reduce of float32 gradients for ``dp``; for DiLoCo, one
 synchronization's bytes over H) and the ratio to ``dp``, the held-out loss
@@ -33,6 +37,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=4)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument(
         "--rows",
         nargs="+",
@@ -108,8 +113,8 @@ def main() -> None:
         wire = jc.collectives.uncompressed_send_nbytes(4 * num_params, n)
         return evaluate(params), wire
 
-    def run_diloco(h, codec, ef):
-        tx = jc.optax.diloco(inner, "data", sync_every=h, codec=codec, error_feedback=ef)
+    def run_diloco(h, **options):
+        tx = jc.optax.diloco(inner, "data", sync_every=h, **options)
         state = jc.optax.init(tx, params0, mesh, "data")
         specs = jc.optax.state_specs(state, "data")
 
@@ -145,12 +150,27 @@ def main() -> None:
         t0 = time.perf_counter()
         if row == "dp":
             loss, wire = run_dp()
+        elif row.startswith("sparseloco:"):
+            parts = row.split(":")
+            k = int(parts[2]) if len(parts) > 2 else 2
+            codec = jc.codecs.TopK(
+                k_per_bucket=(k, 64), value_codec=jc.codecs.QSGD(bits=2, bucket_size=128)
+            )
+            loss, wire = run_diloco(
+                int(parts[1]),
+                codec=codec,
+                error_feedback=True,
+                error_decay=0.95,
+                outer=optax.sgd(1.0),
+            )
         else:
             parts = row.split(":")
-            h = int(parts[1])
-            codec = parts[2].replace("-", ":") if len(parts) > 2 else None
-            ef = len(parts) > 3 and parts[3] == "ef"
-            loss, wire = run_diloco(h, codec, ef)
+            loss, wire = run_diloco(
+                int(parts[1]),
+                codec=parts[2].replace("-", ":") if len(parts) > 2 else None,
+                error_feedback=len(parts) > 3 and parts[3] == "ef",
+                outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
+            )
         dt = time.perf_counter() - t0
         print(f"{row:28s} {wire:18,.0f} {dp_wire / wire:8.1f} {float(loss):10.4f} {dt:6.1f}")
 

@@ -162,30 +162,53 @@ def _computations(hlo: str) -> tuple[str, dict[str, str]]:
     return entry, comps
 
 
-def _collectives_outside_synchronization(hlo: str) -> tuple[set, set]:
-    """The collectives reachable from the entry without entering the
-    synchronizing branch (branch 1 of a conditional), and those inside it."""
+def _collective_lines(hlo: str, follow_sync: bool) -> list[str]:
+    """The collectives reachable from the entry, entering the synchronizing
+    branch (branch 1 of a conditional) only if ``follow_sync``."""
     entry, comps = _computations(hlo)
+    seen, todo, found = set(), [entry], []
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.add(c)
+        for line in comps[c].splitlines():
+            if _COLLECTIVE.search(line):
+                found.append(line)
+            todo += _CALLED.findall(line)
+            b = re.search(r"branch_computations=\{([^}]*)\}", line)
+            if b:
+                branches = [s.strip() for s in b.group(1).split(",")]
+                todo += branches if follow_sync else branches[:1]
+    return found
 
-    def walk(root, follow_sync):
-        seen, todo, found = set(), [root], set()
-        while todo:
-            c = todo.pop()
-            if c in seen or c not in comps:
-                continue
-            seen.add(c)
-            for line in comps[c].splitlines():
-                m = _COLLECTIVE.search(line)
-                if m:
-                    found.add(m.group(1))
-                todo += _CALLED.findall(line)
-                b = re.search(r"branch_computations=\{([^}]*)\}", line)
-                if b:
-                    branches = [s.strip() for s in b.group(1).split(",")]
-                    todo += branches if follow_sync else branches[:1]
-        return found
 
-    return walk(entry, False), walk(entry, True)
+def _collectives_outside_synchronization(hlo: str) -> tuple[set, set]:
+    """The kinds of collective reachable from the entry without entering the
+    synchronizing branch, and those reachable with it."""
+    return tuple(
+        {_COLLECTIVE.search(line).group(1) for line in _collective_lines(hlo, f)}
+        for f in (False, True)
+    )
+
+
+_ITEMSIZE = {"u8": 1, "s8": 1, "f32": 4, "u32": 4, "s32": 4, "bf16": 2, "f16": 2}
+
+
+def _operand(line: str) -> tuple[frozenset, str, int]:
+    """(mesh axes of the replica groups, kind, operand bytes per device) of a
+    collective of compiled HLO."""
+    m = _COLLECTIVE.search(line)
+    kind = m.group(1)
+    result = line[line.index("=") + 1 : line.index(f" {kind}{m.group(2) or ''}(")]
+    nbytes = sum(
+        _ITEMSIZE[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)
+    )
+    axes = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line).group(1)
+    if kind == "all-gather":  # the result holds both devices' operands
+        nbytes //= 2
+    return frozenset(re.findall(r"'(\w+)'", axes)), kind, nbytes
 
 
 @pytest.mark.parametrize("codec", [None, "int8"])
@@ -200,6 +223,64 @@ def test_no_collective_runs_within_a_round(codec):
     outside, everywhere = _collectives_outside_synchronization(hlo)
     assert outside == set(), outside
     assert everywhere, "the synchronization has no collective"
+
+
+def test_two_level_mesh_compresses_only_the_slow_axis():
+    """A 2 x 2 mesh, a slow ``replica`` axis times a fast ``data`` axis:
+    every step averages the gradients over ``data`` in float32; only the
+    synchronization crosses ``replica``, with the int8 payload's bytes
+    (``jc.collectives.operand_nbytes``); after it, the anchor is the same
+    on all four devices and every replica's parameters equal it."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    mesh = jax.make_mesh((2, 2), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    tx = jc.optax.diloco(optax.adam(LR), "replica", sync_every=2, codec="int8")
+    state = jc.optax.init(tx, params0(), mesh, "replica")
+    specs = jc.optax.state_specs(state, "replica")
+
+    def body(params, state, x, y):
+        p = jax.tree.map(lambda a: a[0], params)
+        g = jax.lax.pmean(jax.grad(loss)(p, x[0], y[0]), "data")
+        u, state = tx.update(g, state, p)
+        return jax.tree.map(lambda a: a[None], optax.apply_updates(p, u)), state
+
+    both = P(("replica", "data"))
+    step = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P("replica"), specs, both, both),
+            out_specs=(P("replica"), specs),
+            check_vma=False,
+        )
+    )
+    params = jax.device_put(
+        jax.tree.map(lambda a: jnp.stack([a] * 2), params0()), NamedSharding(mesh, P("replica"))
+    )
+    hlo = step.lower(params, state, *data(0)).compile().as_text()
+    n = 24 * 8 + 8 + 700
+    outside = _collective_lines(hlo, False)
+    every_step = [_operand(line) for line in outside]
+    assert every_step and all(g == {"data"} and k == "all-reduce" for g, k, _ in every_step)
+    assert sum(b for *_, b in every_step) == 4 * n  # the float32 gradients
+    sync = [_operand(line) for line in _collective_lines(hlo, True) if line not in outside]
+    assert sync and all(g == {"replica"} for g, *_ in sync)
+    sent: dict[str, int] = {}
+    for _, kind, b in sync:
+        sent[kind] = sent.get(kind, 0) + b
+    assert sent == jc.collectives.operand_nbytes(
+        jc.codecs.get("int8"), (n,), jnp.float32, 2, "auto"
+    )
+    assert sum(sent.values()) < 4 * n / 3
+
+    for t in range(4):
+        params, state = step(params, state, *data(t))
+        if t % 2 == 1:  # after a synchronization
+            for k in state.anchor:
+                anchors = shards(state.anchor[k])
+                assert all(a.tobytes() == anchors[0].tobytes() for a in anchors)
+                for row in shards(params[k]):
+                    np.testing.assert_allclose(row[0], anchors[0], rtol=1e-6, atol=1e-6)
 
 
 def test_resume_mid_round_with_orbax_is_bit_identical(tmp_path):
@@ -229,14 +310,30 @@ def test_resume_mid_round_with_orbax_is_bit_identical(tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def test_error_feedback_carries_what_the_codec_dropped():
+SPARSELOCO = jc.codecs.TopK(
+    k_per_bucket=(2, 64), value_codec=jc.codecs.QSGD(bits=2, bucket_size=128)
+)
+
+
+@pytest.mark.parametrize(
+    "codec, decay", [("onebit", 1.0), (SPARSELOCO, 0.95)], ids=["onebit", "sparseloco"]
+)
+def test_error_feedback_carries_what_the_codec_dropped(codec, decay):
     """One round's books with a codec and error feedback: P times the
     anchor's move (outer SGD, lr 1) plus every replica's new residual is the
-    sum of the replicas' pseudo-gradients and old residuals; the residual
-    is not zero (the codec dropped something)."""
+    sum of the replicas' pseudo-gradients and their old residuals times the
+    decay; the residual is not zero (the codec dropped something). With
+    SparseLoCo's chunked top-k (2 of every 64), the anchor moves in at most
+    2 P places per chunk."""
     mesh = mesh_of(N_DEV)
     tx = jc.optax.diloco(
-        optax.sgd(LR), AXIS, sync_every=1, outer=optax.sgd(1.0), codec="onebit", error_feedback=True
+        optax.sgd(LR),
+        AXIS,
+        sync_every=1,
+        outer=optax.sgd(1.0),
+        codec=codec,
+        error_feedback=True,
+        error_decay=decay,
     )
     params, state, step = start(mesh, tx)
 
@@ -252,8 +349,12 @@ def test_error_feedback_carries_what_the_codec_dropped():
         new_anchor = {k: np.asarray(shards(state.anchor[k])[0]) for k in state.anchor}
         new = np.asarray(state.residual, np.float64).sum(0)
         moved = N_DEV * (flat(anchor) - flat(new_anchor))
-        np.testing.assert_allclose(moved + new, deltas + old, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(moved + new, deltas + decay * old, rtol=1e-4, atol=1e-5)
         assert np.abs(new).max() > 0
+        if codec is SPARSELOCO:
+            chunks = np.pad(moved, (0, -len(moved) % 64)).reshape(-1, 64)
+            assert (np.count_nonzero(chunks, axis=1) <= 2 * N_DEV).all()
+            assert np.count_nonzero(moved) > 0
 
 
 def test_telemetry_and_misuse():
@@ -270,6 +371,18 @@ def test_telemetry_and_misuse():
         jc.optax.diloco(optax.adam(LR), AXIS, sync_every=0)
     with pytest.raises(ValueError, match="needs a codec"):
         jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, error_feedback=True)
+    with pytest.raises(ValueError, match="error_decay needs error_feedback"):
+        jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, codec="int8", error_decay=0.9)
+    for bad in (1.5, -0.1, True, "0.9"):
+        with pytest.raises(ValueError, match="error_decay must be"):
+            jc.optax.diloco(
+                optax.adam(LR),
+                AXIS,
+                sync_every=2,
+                codec="int8",
+                error_feedback=True,
+                error_decay=bad,
+            )
     with pytest.raises(ValueError, match="per replica"):
         jc.data_parallel(lambda p, b: loss(p, *b), tx, mesh).init(params0())
     with pytest.raises(ValueError, match="needs params"):

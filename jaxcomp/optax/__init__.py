@@ -8,7 +8,8 @@ how each step sends the gradients, and the state does not depend on them.
 ``onebit_adam`` is Adam whose momentum is sent compressed after a warm-up
 (1-bit Adam); ``powersgd`` sends a low-rank approximation of every
 matrix-shaped gradient (PowerSGD); ``diloco`` synchronizes the replicas every H steps only
-(DiLoCo), optionally through a codec; ``pmean`` is the uncompressed baseline
+(DiLoCo), optionally through a codec with error feedback (SparseLoCo's
+decaying accumulator included); ``pmean`` is the uncompressed baseline
 (``lax.pmean`` of the gradients, with telemetry). See docs/training.md.
 """
 

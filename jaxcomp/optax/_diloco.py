@@ -111,6 +111,7 @@ def diloco(
     outer: optax.GradientTransformation | None = None,
     codec: Codec | str | None = None,
     error_feedback: bool = False,
+    error_decay: float = 1.0,
     algorithm: str = "auto",
     seed: int = 0,
 ) -> optax.GradientTransformation:
@@ -144,6 +145,13 @@ def diloco(
         replica's pseudo-gradient to the next synchronization (a float32
         residual per replica, the size of the parameters). The DiLoCo
         papers that quantize the outer gradients (int8, 4-bit) use none.
+      error_decay: beta, with error feedback: the residual is multiplied by
+        it before the next pseudo-gradient is added (``e <- beta e +
+        delta``; what is sent is taken out of ``e``). 1.0 (the default)
+        carries it whole. SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706)
+        is this with a chunked top-k of 2-bit values as the codec, a decay
+        of 0.95 standing in for the outer momentum, and ``outer=
+        optax.sgd(1.0)``: docs/diloco.md has the recipe.
       algorithm: ``jc.pmean``'s algorithm for the codec.
       seed: seeds the PRNG key of stochastic codecs.
     Returns:
@@ -162,6 +170,13 @@ def diloco(
         )
     if error_feedback and codec is None:
         raise ValueError(f"{_WHO}: error_feedback=True needs a codec (None sends the exact mean)")
+    decay = error_decay
+    if isinstance(decay, bool) or not isinstance(decay, (int, float, np.integer, np.floating)):
+        decay = None
+    if decay is None or not 0.0 <= float(decay) <= 1.0:
+        raise ValueError(f"{_WHO}: error_decay must be a number in [0, 1], got {error_decay!r}")
+    if float(error_decay) != 1.0 and not error_feedback:
+        raise ValueError(f"{_WHO}: error_decay needs error_feedback=True (it decays the residual)")
     if isinstance(axis_name, (tuple, list)):
         raise ValueError(f"{_WHO}: axis_name must be one mesh axis, got {axis_name!r}")
     config = _Config(
@@ -171,6 +186,7 @@ def diloco(
         sync_every=sync_every,
         codec=codec,
         error_feedback=bool(error_feedback),
+        error_decay=float(error_decay),
         algorithm=algorithm,
         seed=seed,
     )
@@ -189,6 +205,7 @@ class _Config:
     sync_every: int
     codec: Codec | None
     error_feedback: bool
+    error_decay: float
     algorithm: str
     seed: int
 
@@ -252,7 +269,13 @@ def _average(config: _Config, delta: jax.Array, residual: jax.Array, key):
     """The mean pseudo-gradient over the replicas, and the new residual."""
     if config.codec is None:
         return lax.pmean(delta, config.axis_name), residual
-    acc = delta + residual[0] if config.error_feedback else delta
+    if config.error_feedback:
+        # One float32 multiply-add per element; with the default decay of 1
+        # the multiply is skipped, so the sum is today's to the bit.
+        kept = residual[0] if config.error_decay == 1.0 else config.error_decay * residual[0]
+        acc = kept + delta
+    else:
+        acc = delta
     r = collectives.pmean(acc, config.axis_name, config.codec, key=key, algorithm=config.algorithm)
     return r.value, (acc - r.sent)[None] if config.error_feedback else residual
 
