@@ -12,7 +12,11 @@ changes the lr), the parameters laid out per replica. ``sparseloco:H[:k]``
 is SparseLoCo (arXiv 2508.15706) through the same transformation: the top
 ``k`` (default 2) of every 64 values of the pseudo-gradient plus its
 residual, as 2-bit QSGD values, error feedback decayed by 0.95 in place of
-the outer momentum, outer SGD with lr 1. The inner AdamW is the data-parallel
+the outer momentum, outer SGD with lr 1. ``streaming:H:F:tau:alpha[:codec]``
+is Streaming DiLoCo (arXiv 2501.18512): F fragments, the merge tau steps
+after each fragment's synchronization with mixing factor alpha. The
+"peak" column is the bytes of the largest single synchronization (a whole
+model for DiLoCo, one fragment for Streaming DiLoCo). The inner AdamW is the data-parallel
 one's, schedule included. Reported: the bytes a device sends per inner step
 (a ring all-reduce of float32 gradients for ``dp``; for DiLoCo, one
 synchronization's bytes over H) and the ratio to ``dp``, the held-out loss
@@ -113,6 +117,15 @@ def main() -> None:
         wire = jc.collectives.uncompressed_send_nbytes(4 * num_params, n)
         return evaluate(params), wire
 
+    def peak(codec, fragments=1):
+        """Bytes a device sends in the largest synchronization."""
+        leaves = jax.tree.leaves(params0)
+        sizes = [sum(a.size for a in leaves[f::fragments]) for f in range(fragments)]
+        if codec is None:
+            return max(jc.collectives.uncompressed_send_nbytes(4 * m, n) for m in sizes)
+        codec = jc.codecs.get(codec) if isinstance(codec, str) else codec
+        return max(jc.collectives.send_nbytes(codec, m, jnp.float32, n) for m in sizes)
+
     def run_diloco(h, **options):
         tx = jc.optax.diloco(inner, "data", sync_every=h, **options)
         state = jc.optax.init(tx, params0, mesh, "data")
@@ -138,41 +151,59 @@ def main() -> None:
         for t in range(args.steps):
             params, state = step(params, state, jnp.int32(t))
         anchor = jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), state.anchor)
-        return evaluate(anchor), float(jc.optax.telemetry(state)["wire_bytes"])
+        wire = float(jc.optax.telemetry(state)["wire_bytes"])
+        return evaluate(anchor), wire, peak(options.get("codec"), options.get("fragments", 1))
 
     print(
         f"byte-level LM: {num_params:,} parameters, {n} devices, {args.steps} steps, "
         f"global batch {config.global_batch_size} x {ctx} bytes; jax {jax.__version__}"
     )
-    print(f"{'row':28s} {'bytes/step/device':>18s} {'x fewer':>8s} {'test loss':>10s} {'s':>6s}")
+    print(
+        f"{'row':28s} {'bytes/step/device':>18s} {'x fewer':>8s} {'peak':>10s} "
+        f"{'test loss':>10s} {'s':>6s}"
+    )
     dp_wire = jc.collectives.uncompressed_send_nbytes(4 * num_params, n)
     for row in args.rows:
         t0 = time.perf_counter()
         if row == "dp":
             loss, wire = run_dp()
+            top = wire
         elif row.startswith("sparseloco:"):
             parts = row.split(":")
             k = int(parts[2]) if len(parts) > 2 else 2
             codec = jc.codecs.TopK(
                 k_per_bucket=(k, 64), value_codec=jc.codecs.QSGD(bits=2, bucket_size=128)
             )
-            loss, wire = run_diloco(
+            loss, wire, top = run_diloco(
                 int(parts[1]),
                 codec=codec,
                 error_feedback=True,
                 error_decay=0.95,
                 outer=optax.sgd(1.0),
             )
+        elif row.startswith("streaming:"):
+            parts = row.split(":")
+            loss, wire, top = run_diloco(
+                int(parts[1]),
+                fragments=int(parts[2]),
+                overlap_steps=int(parts[3]),
+                alpha=float(parts[4]),
+                codec=parts[5].replace("-", ":") if len(parts) > 5 else None,
+                outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
+            )
         else:
             parts = row.split(":")
-            loss, wire = run_diloco(
+            loss, wire, top = run_diloco(
                 int(parts[1]),
                 codec=parts[2].replace("-", ":") if len(parts) > 2 else None,
                 error_feedback=len(parts) > 3 and parts[3] == "ef",
                 outer=optax.sgd(args.outer_lr, momentum=0.9, nesterov=True),
             )
         dt = time.perf_counter() - t0
-        print(f"{row:28s} {wire:18,.0f} {dp_wire / wire:8.1f} {float(loss):10.4f} {dt:6.1f}")
+        print(
+            f"{row:28s} {wire:18,.0f} {dp_wire / wire:8.1f} {top:10,.0f} "
+            f"{float(loss):10.4f} {dt:6.1f}"
+        )
 
 
 if __name__ == "__main__":

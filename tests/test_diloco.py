@@ -119,6 +119,76 @@ def test_replicas_restart_from_one_anchor_every_round(options):
     assert int(state.step) == 9
 
 
+# The test's leaves in tree order: b, k, w. Two fragments: {b, w} and {k}.
+FRAGMENT = {"b": 0, "k": 1, "w": 0}
+
+
+def test_streaming_fragments_synchronize_on_their_offsets():
+    """fragments=2, sync_every=4: fragment 0 synchronizes at steps 2, 6,
+    fragment 1 at 4, 8. At its step a fragment's anchor moves and every
+    replica's values equal it; the other fragment's anchor stays (and the
+    replicas' w, in fragment 0, stay apart between its synchronizations)."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=4, fragments=2)
+    params, state, step = start(mesh, tx)
+    assert len(state.outer) == 2
+    last = {k: np.asarray(v) for k, v in params0().items()}
+    for t in range(1, 9):
+        params, state = step(params, state, *data(t))
+        due = {0: t % 4 == 2, 1: t % 4 == 0}
+        for k, f in FRAGMENT.items():
+            rows = shards(state.anchor[k])
+            assert all(r.tobytes() == rows[0].tobytes() for r in rows)
+            local = np.asarray(params[k])
+            if due[f]:
+                assert not np.array_equal(rows[0], last[k]), f"{k} step {t}: no outer step"
+                scale = np.abs(rows[0]).max() + 1e-30
+                assert np.abs(local - rows[0][None]).max() <= 4 * np.finfo(np.float32).eps * scale
+                last[k] = rows[0]
+            else:
+                np.testing.assert_array_equal(rows[0], last[k], err_msg=f"{k} step {t}")
+                if k == "w":  # (k's gradient is the same on every replica)
+                    assert not np.array_equal(local[0], local[1]), f"{k} step {t}"
+    assert int(state.step) == 8
+
+
+def test_streaming_overlap_merges_tau_steps_later_with_alpha():
+    """overlap_steps=1: fragment 0 synchronizes at step 2 (its anchor
+    moves; the replicas keep their own values) and is merged at step 3:
+    with alpha=0 every replica takes the anchor; with alpha=0.5 the values
+    are the mean of alpha=1's (no merge) and alpha=0's, at every leaf of
+    the fragment; fragment 1 is not touched."""
+    mesh = mesh_of(N_DEV)
+    runs = {}
+    for alpha in (0.0, 0.5, 1.0):
+        tx = jc.optax.diloco(
+            optax.adam(LR), AXIS, sync_every=4, fragments=2, overlap_steps=1, alpha=alpha
+        )
+        params, state, step = start(mesh, tx)
+        history = []
+        for t in range(1, 4):
+            params, state = step(params, state, *data(t))
+            history.append((jax.tree.map(np.asarray, params), state))
+        runs[alpha] = history
+    (p2, s2), (p3, s3) = runs[0.0][1], runs[0.0][2]
+    for k, f in FRAGMENT.items():
+        anchor = shards(s3.anchor[k])[0]
+        np.testing.assert_array_equal(shards(s2.anchor[k])[0], anchor)
+        if f == 0:
+            assert not np.array_equal(p2[k][0], p2[k][1]), k  # synchronized, not merged
+            scale = np.abs(anchor).max() + 1e-30
+            assert np.abs(p3[k] - anchor[None]).max() <= 4 * np.finfo(np.float32).eps * scale
+            np.testing.assert_allclose(
+                runs[0.5][2][0][k],
+                0.5 * runs[1.0][2][0][k] + 0.5 * runs[0.0][2][0][k],
+                rtol=1e-6,
+                atol=1e-7,
+            )
+        for alpha in (0.5, 1.0):  # identical up to the merge
+            np.testing.assert_array_equal(runs[alpha][1][0][k], p2[k])
+    np.testing.assert_array_equal(runs[1.0][2][0]["k"], runs[0.0][2][0]["k"])
+
+
 def test_one_step_rounds_of_sgd_are_data_parallel_sgd():
     """sync_every=1, inner SGD with lr and outer SGD with 1.0: the anchor moves
     by lr times the mean gradient, as data-parallel SGD."""
@@ -211,13 +281,16 @@ def _operand(line: str) -> tuple[frozenset, str, int]:
     return frozenset(re.findall(r"'(\w+)'", axes)), kind, nbytes
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
 @pytest.mark.parametrize("codec", [None, "int8"])
-def test_no_collective_runs_within_a_round(codec):
-    """In the compiled step, every collective is inside the branch that the
-    end of a round takes; the other branch, and the rest of the step, have
-    none."""
+def test_no_collective_runs_within_a_round(codec, fragments):
+    """In the compiled step, every collective is inside the branches that a
+    synchronization takes; the other branch (the step within a round), and
+    the rest of the step, have none."""
     mesh = mesh_of(N_DEV)
-    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=4, codec=codec)
+    tx = jc.optax.diloco(
+        optax.adam(LR), AXIS, sync_every=4, codec=codec, fragments=fragments, overlap_steps=1
+    )
     params, state, step = start(mesh, tx)
     hlo = step.lower(params, state, *data(0)).compile().as_text()
     outside, everywhere = _collectives_outside_synchronization(hlo)
@@ -283,13 +356,20 @@ def test_two_level_mesh_compresses_only_the_slow_axis():
                     np.testing.assert_allclose(row[0], anchors[0], rtol=1e-6, atol=1e-6)
 
 
-def test_resume_mid_round_with_orbax_is_bit_identical(tmp_path):
-    """Saving params and state two steps into a round of three, restoring
-    them (sharded again) and going on gives the uninterrupted run's bits."""
+@pytest.mark.parametrize(
+    "streaming",
+    [{"sync_every": 3}, {"sync_every": 4, "fragments": 2, "overlap_steps": 1, "alpha": 0.5}],
+    ids=["diloco", "streaming"],
+)
+def test_resume_mid_round_with_orbax_is_bit_identical(tmp_path, streaming):
+    """Saving params and state mid-round (two steps into a round of three;
+    Streaming: between a fragment's synchronization and its merge),
+    restoring them (sharded again) and going on gives the uninterrupted
+    run's bits."""
     ocp = pytest.importorskip("orbax.checkpoint")
     mesh = mesh_of(N_DEV)
     tx = jc.optax.diloco(
-        optax.adam(LR), AXIS, sync_every=3, codec="qsgd:bits=4", error_feedback=True
+        optax.adam(LR), AXIS, codec="qsgd:bits=4", error_feedback=True, **streaming
     )
     params, state, step = start(mesh, tx)
     whole = (params, state)
@@ -367,10 +447,29 @@ def test_telemetry_and_misuse():
     every_step = 2 * (N_DEV - 1) / N_DEV * 4 * n  # a float32 ring all-reduce per step
     assert float(t["wire_bytes"]) < every_step / 50
     assert float(t["compression_ratio"]) > 50
+    # Streaming: every fragment once a round, each through its own codec call
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=50, codec="int8", fragments=2)
+    params, state, step = start(mesh, tx)
+    params, state = step(params, state, *data(0))
+    sizes = [24 * 8 + 8, 700]  # {b, w} and {k}
+    want = sum(
+        jc.collectives.send_nbytes(jc.codecs.get("int8"), m, jnp.float32, N_DEV) for m in sizes
+    )
+    assert float(jc.optax.telemetry(state)["wire_bytes"]) == pytest.approx(want / 50)
     with pytest.raises(ValueError, match="sync_every"):
         jc.optax.diloco(optax.adam(LR), AXIS, sync_every=0)
     with pytest.raises(ValueError, match="needs a codec"):
         jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, error_feedback=True)
+    for bad, match in [
+        ({"fragments": 3}, "must divide sync_every"),
+        ({"overlap_steps": 2}, "must be below sync_every"),
+        ({"alpha": 2.0}, "alpha must be"),
+        ({"fragments": 0}, "fragments must be"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, **bad)
+    with pytest.raises(ValueError, match="without a floating-point parameter"):
+        jc.optax.diloco(optax.adam(LR), AXIS, sync_every=4, fragments=4).init(params0())
     with pytest.raises(ValueError, match="error_decay needs error_feedback"):
         jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, codec="int8", error_decay=0.9)
     for bad in (1.5, -0.1, True, "0.9"):

@@ -44,10 +44,11 @@ class DiLoCoState(NamedTuple):
 
     Attributes:
       step: int32[]: inner steps taken so far (replicated); a round ends
-        after every ``sync_every``-th.
+        after every ``sync_every``-th (a fragment's, on its offset).
       anchor: the parameters at the last synchronization (the initial ones
         before the first), identical on every replica.
-      outer: the outer optimizer's state, identical on every replica.
+      outer: the outer optimizer's states, one per fragment (a tuple of
+        one without ``fragments``), identical on every replica.
       inner: the inner optimizer's state, per replica (each leaf with a
         leading axis of one row per device, like the residuals of
         ``compress_gradients``).
@@ -69,6 +70,12 @@ class DiLoCoState(NamedTuple):
     residual: jax.Array
     key: jax.Array
     telemetry: Telemetry
+
+
+def _check_unit(who: str, name: str, value) -> None:
+    ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not ok or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{who}: {name} must be a number in [0, 1], got {value!r}")
 
 
 def _float_leaves(tree) -> list:
@@ -112,6 +119,9 @@ def diloco(
     codec: Codec | str | None = None,
     error_feedback: bool = False,
     error_decay: float = 1.0,
+    fragments: int = 1,
+    overlap_steps: int = 0,
+    alpha: float = 0.0,
     algorithm: str = "auto",
     seed: int = 0,
 ) -> optax.GradientTransformation:
@@ -152,6 +162,24 @@ def diloco(
         is this with a chunked top-k of 2-bit values as the codec, a decay
         of 0.95 standing in for the outer momentum, and ``outer=
         optax.sgd(1.0)``: docs/diloco.md has the recipe.
+      fragments: Streaming DiLoCo (Douillard et al. 2025, arXiv
+        2501.18512): the leaves split into this many fragments in strided
+        order (fragment ``f`` holds leaves ``f, f + fragments, ...`` of the
+        tree), each synchronized every ``sync_every`` steps on its own
+        offset: fragment ``f`` at the steps ``(f + 1) sync_every /
+        fragments`` modulo ``sync_every``, so one fragment's all-reduce
+        goes out every ``sync_every / fragments`` steps (a Python int that
+        divides ``sync_every``; 1, the default, is DiLoCo).
+      overlap_steps: tau, the steps between a fragment's synchronization
+        and the merge of its new anchor into the local parameters (Python
+        int in ``[0, sync_every)``). The replicas go on training the
+        fragment meanwhile. The averaging itself runs in the program of
+        the synchronizing step: the merge's timing is the paper's, and
+        how much of the communication a backend then overlaps with
+        compute is measured in docs/diloco.md, not assumed.
+      alpha: the mixing factor of the merge: the fragment's local values
+        become ``alpha * local + (1 - alpha) * anchor`` (in [0, 1]; the
+        default 0 takes the anchor, as DiLoCo does).
       algorithm: ``jc.pmean``'s algorithm for the codec.
       seed: seeds the PRNG key of stochastic codecs.
     Returns:
@@ -170,15 +198,24 @@ def diloco(
         )
     if error_feedback and codec is None:
         raise ValueError(f"{_WHO}: error_feedback=True needs a codec (None sends the exact mean)")
-    decay = error_decay
-    if isinstance(decay, bool) or not isinstance(decay, (int, float, np.integer, np.floating)):
-        decay = None
-    if decay is None or not 0.0 <= float(decay) <= 1.0:
-        raise ValueError(f"{_WHO}: error_decay must be a number in [0, 1], got {error_decay!r}")
+    _check_unit(_WHO, "error_decay", error_decay)
     if float(error_decay) != 1.0 and not error_feedback:
         raise ValueError(f"{_WHO}: error_decay needs error_feedback=True (it decays the residual)")
     if isinstance(axis_name, (tuple, list)):
         raise ValueError(f"{_WHO}: axis_name must be one mesh axis, got {axis_name!r}")
+    fragments = check_static_int(_WHO, "fragments", fragments, 1)
+    if sync_every % fragments:
+        raise ValueError(
+            f"{_WHO}: fragments={fragments} must divide sync_every={sync_every} (each "
+            f"fragment synchronizes on its own offset, sync_every / fragments apart)"
+        )
+    overlap_steps = check_static_int(_WHO, "overlap_steps", overlap_steps, 0)
+    if overlap_steps >= sync_every:
+        raise ValueError(
+            f"{_WHO}: overlap_steps={overlap_steps} must be below sync_every={sync_every} "
+            f"(a fragment's merge comes before its next synchronization)"
+        )
+    _check_unit(_WHO, "alpha", alpha)
     config = _Config(
         inner=inner,
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer,
@@ -187,6 +224,9 @@ def diloco(
         codec=codec,
         error_feedback=bool(error_feedback),
         error_decay=float(error_decay),
+        fragments=fragments,
+        overlap_steps=overlap_steps,
+        alpha=float(alpha),
         algorithm=algorithm,
         seed=seed,
     )
@@ -206,16 +246,48 @@ class _Config:
     codec: Codec | None
     error_feedback: bool
     error_decay: float
+    fragments: int
+    overlap_steps: int
+    alpha: float
     algorithm: str
     seed: int
 
+    @property
+    def span(self) -> int:
+        """Steps between two synchronizations (of successive fragments)."""
+        return self.sync_every // self.fragments
+
+    def fragment(self, tree, f: int):
+        """Fragment ``f`` of ``tree``: its leaves ``f, f + fragments, ...``,
+        None in place of the others (a pytree that optax takes as is)."""
+        leaves, treedef = jax.tree.flatten(tree)
+        picked = [x if i % self.fragments == f else None for i, x in enumerate(leaves)]
+        return treedef.unflatten(picked)
+
+    def merge(self, tree, part, f: int):
+        """``tree`` with the leaves of fragment ``f`` taken from ``part``."""
+        leaves, treedef = jax.tree.flatten(tree)
+        new = jax.tree.leaves(part)
+        out = [new.pop(0) if i % self.fragments == f else x for i, x in enumerate(leaves)]
+        return treedef.unflatten(out)
+
+    def sizes(self, params) -> list[int]:
+        """Floating-point elements per fragment (static)."""
+        return [_size(self.fragment(params, f)) for f in range(self.fragments)]
+
 
 def _init(config: _Config, params) -> DiLoCoState:
-    n = _size(params) if config.error_feedback else 0
+    sizes = config.sizes(params)
+    if 0 in sizes:
+        raise ValueError(
+            f"{_WHO}: fragments={config.fragments} leaves fragment {sizes.index(0)} without "
+            f"a floating-point parameter ({len(jax.tree.leaves(params))} leaves)"
+        )
+    n = sum(sizes) if config.error_feedback else 0
     return DiLoCoState(
         step=jnp.zeros((), jnp.int32),
         anchor=jax.tree.map(jnp.asarray, params),
-        outer=config.outer.init(params),
+        outer=tuple(config.outer.init(config.fragment(params, f)) for f in range(config.fragments)),
         inner=jax.tree.map(lambda x: jnp.asarray(x)[None], config.inner.init(params)),
         residual=jnp.zeros((1, n), jnp.float32),
         key=jax.random.key_data(jax.random.key(config.seed)),
@@ -223,36 +295,76 @@ def _init(config: _Config, params) -> DiLoCoState:
     )
 
 
+def _due(config: _Config, step: jax.Array, delay: int) -> jax.Array:
+    """1 + the fragment whose synchronization came ``delay`` steps before
+    ``step``, or 0 if none did (a ``lax.switch`` index)."""
+    t = step - delay
+    phase = t % config.sync_every
+    f = (phase // config.span - 1) % config.fragments
+    return jnp.where((t >= config.span) & (phase % config.span == 0), f + 1, 0)
+
+
 def _update(config: _Config, grads, state: DiLoCoState, params=None):
     check_type(state, DiLoCoState, _WHO)
     if params is None:
         raise ValueError(f"{_WHO}: update needs params (this replica's parameters)")
     (p,) = bound_axis_sizes(config.axis_name, _WHO)
+    sizes = config.sizes(params)
+    offsets = np.cumsum([0, *sizes])
     inner_state = jax.tree.map(lambda x: x[0], state.inner)
     u, inner_state = config.inner.update(grads, inner_state, params)
     step = state.step + 1
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.key), step)
 
-    def synchronize(local, anchor, outer_state, residual):
-        key = jax.random.fold_in(jax.random.wrap_key_data(state.key), step)
-        mean, residual = _average(config, _flatten(anchor) - _flatten(local), residual, key)
-        outer_updates, outer_state = config.outer.update(
-            _unflatten(mean, anchor), outer_state, anchor
+    def mix(local, anchor, f):
+        """The merge of fragment ``f``'s anchor into the local values."""
+        if config.alpha == 0.0:
+            return config.merge(local, config.fragment(anchor, f), f)
+        mixed = jax.tree.map(
+            lambda x, a: config.alpha * x + (1.0 - config.alpha) * a,
+            config.fragment(local, f),
+            config.fragment(anchor, f),
         )
-        anchor = optax.apply_updates(anchor, outer_updates)
-        return anchor, anchor, outer_state, residual
+        return config.merge(local, mixed, f)
+
+    def synchronize(f, local, anchor, outer_state, residual):
+        """Fragment ``f``'s outer step (and its merge, without overlap)."""
+        a, frag = config.fragment(anchor, f), config.fragment(local, f)
+        lo, hi = (int(offsets[f]), int(offsets[f + 1])) if config.error_feedback else (0, 0)
+        mean, r = _average(config, _flatten(a) - _flatten(frag), residual[:, lo:hi], key)
+        outer_updates, o = config.outer.update(_unflatten(mean, a), outer_state[f], a)
+        anchor = config.merge(anchor, optax.apply_updates(a, outer_updates), f)
+        outer_state = (*outer_state[:f], o, *outer_state[f + 1 :])
+        residual = residual.at[:, lo:hi].set(r) if config.error_feedback else residual
+        if config.overlap_steps == 0:
+            local = mix(local, anchor, f)
+        return local, anchor, outer_state, residual
 
     def carry_on(*args):
         return args
 
-    local, anchor, outer_state, residual = lax.cond(
-        step % config.sync_every == 0,
-        synchronize,
-        carry_on,
+    def merge_fragment(f, local, anchor):
+        return mix(local, anchor, f)
+
+    # Branch 0 is the step within a round (no collective); branch 1 + f
+    # synchronizes fragment f.
+    branches = [carry_on] + [functools.partial(synchronize, f) for f in range(config.fragments)]
+    local, anchor, outer_state, residual = lax.switch(
+        _due(config, step, 0),
+        branches,
         optax.apply_updates(params, u),
         state.anchor,
         state.outer,
         state.residual,
     )
+    if config.overlap_steps:
+        local = lax.switch(
+            _due(config, step, config.overlap_steps),
+            [lambda local, anchor: local]
+            + [functools.partial(merge_fragment, f) for f in range(config.fragments)],
+            local,
+            anchor,
+        )
     updates = jax.tree.map(lambda new, old: new - old, local, params)
     return updates, DiLoCoState(
         step=step,
@@ -261,7 +373,7 @@ def _update(config: _Config, grads, state: DiLoCoState, params=None):
         inner=jax.tree.map(lambda x: x[None], inner_state),
         residual=residual,
         key=state.key,
-        telemetry=_telemetry(config, _size(params), p, state.telemetry),
+        telemetry=_telemetry(config, sizes, p, state.telemetry),
     )
 
 
@@ -280,13 +392,19 @@ def _average(config: _Config, delta: jax.Array, residual: jax.Array, key):
     return r.value, (acc - r.sent)[None] if config.error_feedback else residual
 
 
-def _telemetry(config: _Config, n: int, p: int, previous: Telemetry) -> Telemetry:
-    """A round's traffic, amortized over its steps (static)."""
+def _telemetry(config: _Config, sizes: list[int], p: int, previous: Telemetry) -> Telemetry:
+    """A round's traffic (every fragment once), amortized over its steps
+    (static)."""
+    n = sum(sizes)
     if config.codec is None:
         bits, wire, _ = exact_stats(4 * n, n, p)
     else:
-        wire = collectives.send_nbytes(config.codec, n, jnp.float32, (p,), config.algorithm)
-        bits = 8.0 * config.codec.wire_nbytes((n,), jnp.float32) / max(n, 1)
+        wire = sum(
+            collectives.send_nbytes(config.codec, m, jnp.float32, (p,), config.algorithm)
+            for m in sizes
+        )
+        wire_bits = sum(8.0 * config.codec.wire_nbytes((m,), jnp.float32) for m in sizes)
+        bits = wire_bits / max(n, 1)
     wire, bits = wire / config.sync_every, bits / config.sync_every
     every_step = collectives.uncompressed_send_nbytes(4 * n, p)
     ratio = every_step / wire if wire else 32.0 / bits if bits else 1.0
