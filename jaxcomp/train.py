@@ -17,6 +17,11 @@ receives the module rebuilt from both; what the loss sets of the rest
 (BatchNorm's running statistics) is averaged over the data axis and kept
 for the next step. See docs/training-loop.md.
 
+With ``jc.optax.diloco`` the replicas train copies of their own between
+synchronizations, so the step lays the parameters out per replica (one
+copy per device, sharded over the data axis) and returns each device's
+loss; see docs/diloco.md.
+
 Two guards: the step refuses an optimizer whose update does not all-reduce
 the gradients (every device would silently train its own copy of
 parameters typed as replicated), and on XLA:CPU it keeps at most one step
@@ -118,6 +123,8 @@ class DataParallel:
       batch_sharding: the ``NamedSharding`` of a global batch (leading axis
         split over the data axes).
       replicated: the ``NamedSharding`` of the parameters.
+      per_replica: the ``NamedSharding`` of the parameters under
+        ``jc.optax.diloco``: one copy per device along the data axis.
       max_in_flight: the most steps dispatched and not yet finished (an
         int), or None for no bound (above).
     """
@@ -147,12 +154,14 @@ class DataParallel:
         self._data_spec = P(axes if len(axes) > 1 else axes[0])
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
         self.replicated = NamedSharding(mesh, P())
+        self.per_replica = NamedSharding(mesh, P(axes[0]))
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
         self.require_all_reduce = bool(require_all_reduce)
         self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
         self._module = None  # (graphdef, parameter template, rest) for an NNX model
         self._step = None  # the jitted step, built on the first call
+        self._per_replica = False  # parameters laid out per replica (diloco)
 
     # -- state -------------------------------------------------------------
 
@@ -180,8 +189,28 @@ class DataParallel:
         params = jax.device_put(params, self.replicated)
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.replicated)(params)
         opt_state = init_state(self.tx, params, self.mesh, self.axis_name)
-        refuse_per_replica_params(opt_state)
+        self._per_replica = self._per_replica_of(opt_state)
+        if self._per_replica:
+            n, sharding = self.num_devices, self.per_replica
+            params = jax.jit(
+                lambda p: jax.tree.map(lambda a: jnp.stack([a] * n), p), out_shardings=sharding
+            )(params)
         return params, opt_state
+
+    def _per_replica_of(self, opt_state) -> bool:
+        """Whether ``opt_state`` is that of an optimizer whose replicas keep
+        parameters of their own (``jc.optax.diloco``), checked against what
+        this step supports."""
+        if not any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
+            return False
+        if len(self._axes) > 1:
+            raise ValueError(
+                "jc.data_parallel: jc.optax.diloco runs over one data axis here, not the "
+                f"pair {self.axis_name!r}; for a slow axis synchronized by diloco and a fast one "
+                "averaged at every step, write the shard_map step of docs/diloco.md "
+                "('Two levels')"
+            )
+        return True
 
     def module(self, params):
         """The NNX module rebuilt from trained ``params`` and the other
@@ -193,6 +222,8 @@ class DataParallel:
                 "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
                 "pytree of parameters, not an nnx.Module"
             )
+        if self._per_replica:
+            params = jax.tree.map(lambda a: a[0], params)
         return self._merge(params, self._module[2])
 
     def _merge(self, params, rest):
@@ -238,12 +269,17 @@ class DataParallel:
           ``(params, opt_state, loss)``, or ``(params, opt_state, (loss,
           aux))`` with ``has_aux``: the loss averaged over the devices (and
           microbatches); aux's floating-point leaves averaged likewise, its
-          integer leaves summed.
+          integer leaves summed. Under ``jc.optax.diloco``, whose steps
+          within a round run no collective, each device's own instead
+          (a leading axis of one entry per device).
         """
         self._check_batch(batch)
         check_laid_out(opt_state)
         if self._step is None:
+            self._per_replica = self._per_replica_of(opt_state)
             self._step = self._build()
+        if self._per_replica:
+            self._check_per_replica(params)
         rest = () if self._module is None else self._module[2]
         keys = () if key is None else (key,)  # jit traces each arity once
         self._wait_for_room()
@@ -255,6 +291,20 @@ class DataParallel:
             new = [o if c is None else c for o, c in zip(leaves, changed, strict=True)]
             self._module = (*self._module[:2], treedef.unflatten(new))
         return params, opt_state, out
+
+    def _check_per_replica(self, params) -> None:
+        for x in jax.tree.leaves(params):
+            spec = getattr(getattr(x, "sharding", None), "spec", ())
+            if (
+                not np.ndim(x)
+                or np.shape(x)[0] != self.num_devices
+                or tuple(spec)[:1] != (self._axes[0],)
+            ):
+                raise ValueError(
+                    "jc.data_parallel: under jc.optax.diloco the parameters are one copy per "
+                    f"replica, a leading axis of {self.num_devices} sharded over "
+                    f"{self._axes[0]!r}, as init() returns them; got shape {np.shape(x)}"
+                )
 
     def _wait_for_room(self) -> None:
         """Blocks until fewer than ``max_in_flight`` steps are unfinished.
@@ -315,8 +365,11 @@ class DataParallel:
     def _build(self):
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
 
+        per_replica = self._per_replica
+
         def local(params, opt_state, batch, rest, key=None):
-            refuse_per_replica_params(opt_state)
+            if per_replica:  # this replica's copy
+                params = jax.tree.map(lambda a: a[0], params)
             mutated: list = []
             grad_fn = jax.value_and_grad(
                 functools.partial(self._loss, mutated=mutated), has_aux=True
@@ -328,15 +381,30 @@ class DataParallel:
                 (loss, (aux, rest)), grads = grad_fn(params, rest, batch, *args)
             else:
                 (loss, aux), grads, rest = self._accumulate(grad_fn, params, rest, batch, key)
-            if self.require_all_reduce:
+            if self.require_all_reduce and not per_replica:
                 check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
-            return params, opt_state, out, _average_mutated(rest, mutated, axes)
+            out = (loss, aux) if self.has_aux else loss
+            if not per_replica:
+                return (
+                    params,
+                    opt_state,
+                    _reduce_metrics(out, axes),
+                    _average_mutated(rest, mutated, axes),
+                )
+            if any(mutated):
+                raise ValueError(
+                    "jc.data_parallel: under jc.optax.diloco the loss may not set NNX variables "
+                    "(BatchNorm's statistics): averaging them would be a collective at every "
+                    "step, and the steps within a round run none"
+                )
+            expand = functools.partial(jax.tree.map, lambda a: jnp.asarray(a)[None])
+            return expand(params), opt_state, expand(out), [None] * len(mutated)
 
         def step(params, opt_state, batch, rest, *key):
             state_specs = partition_specs(opt_state, self.axis_name)
+            own = self._data_spec if per_replica else P()  # parameters, metrics
             # A batch laid out otherwise (a host array, say) is resharded here:
             # shard_map takes it as is on a mesh of Auto axes, but refuses a
             # mismatch on Explicit ones (jax.make_mesh's default).
@@ -345,13 +413,13 @@ class DataParallel:
                 local,
                 mesh=self.mesh,
                 in_specs=(
-                    P(),
+                    own,
                     state_specs,
                     jax.tree.map(lambda _: self._data_spec, batch),
                     P(),
                     *((P(),) * len(key)),
                 ),
-                out_specs=(P(), state_specs, P(), P()),
+                out_specs=(own, state_specs, own, P()),
                 # jc.pmean's value is identical on every device but comes out of
                 # all_gathers that JAX types as per-device (docs/collectives.md).
                 check_vma=False,
@@ -412,20 +480,6 @@ _COLLECTIVES = frozenset(
 # What each value of the update's jaxpr depends on: (this device's data?,
 # the axes of the collectives it passed through).
 _CLEAN = (False, frozenset())
-
-
-def refuse_per_replica_params(opt_state) -> None:
-    """Raises for an optimizer whose replicas keep parameters of their own
-    (``jc.optax.diloco``): this step lays the parameters out replicated, so
-    each device's copy would be declared one value, and lost at the first
-    reshard or checkpoint."""
-    if any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
-        raise ValueError(
-            "jc.data_parallel: jc.optax.diloco keeps one copy of the parameters per replica, "
-            "and this step lays the parameters out replicated (each device's copy would be "
-            "declared one value and lost at the first reshard or checkpoint). Write the "
-            "shard_map step of docs/diloco.md, with the parameters sharded per replica."
-        )
 
 
 def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:

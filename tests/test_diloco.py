@@ -189,6 +189,33 @@ def test_streaming_overlap_merges_tau_steps_later_with_alpha():
     np.testing.assert_array_equal(runs[1.0][2][0]["k"], runs[0.0][2][0]["k"])
 
 
+@pytest.mark.parametrize("streaming", [{}, {"fragments": 2, "overlap_steps": 1, "alpha": 0.5}])
+def test_data_parallel_step_is_the_hand_written_one(streaming):
+    """jc.data_parallel with diloco lays the parameters out per replica and
+    gives the hand-written shard_map step's bits (parameters and state),
+    with each device's own loss."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(
+        optax.adam(LR), AXIS, sync_every=4, codec="qsgd:bits=4", error_feedback=True, **streaming
+    )
+    hand_params, hand_state, hand_step = start(mesh, tx)
+    dp = jc.data_parallel(lambda p, b: loss(p, b[0][0], b[1][0]), tx, mesh)
+    params, state = dp.init(params0())
+    assert jax.tree.map(lambda a: a.sharding.spec, params) == jax.tree.map(
+        lambda a: P(AXIS), params
+    )
+    for t in range(6):
+        x, y = data(t)
+        rows = [{k: np.asarray(v)[i] for k, v in hand_params.items()} for i in range(N_DEV)]
+        want = [float(loss(rows[i], x[i], y[i])) for i in range(N_DEV)]
+        hand_params, hand_state = hand_step(hand_params, hand_state, x, y)
+        params, state, losses = dp(params, state, dp.shard_batch((x, y)))
+        np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
+    hand = jax.tree.leaves((hand_params, hand_state))
+    for a, b in zip(jax.tree.leaves((params, state)), hand, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_one_step_rounds_of_sgd_are_data_parallel_sgd():
     """sync_every=1, inner SGD with lr and outer SGD with 1.0: the anchor moves
     by lr times the mean gradient, as data-parallel SGD."""
@@ -482,8 +509,15 @@ def test_telemetry_and_misuse():
                 error_feedback=True,
                 error_decay=bad,
             )
-    with pytest.raises(ValueError, match="per replica"):
-        jc.data_parallel(lambda p, b: loss(p, *b), tx, mesh).init(params0())
+    dp = jc.data_parallel(lambda p, b: loss(p, b[0][0], b[1][0]), tx, mesh)
+    replicated, _ = jc.data_parallel(
+        lambda p, b: loss(p, b[0][0], b[1][0]), optax.sgd(LR), mesh, require_all_reduce=False
+    ).init(params0())
+    with pytest.raises(ValueError, match="one copy per replica"):
+        dp(replicated, dp.init(params0())[1], data(0))
+    wide = jax.make_mesh((2, 2), ("replica", "data"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(ValueError, match="one data axis"):
+        jc.data_parallel(loss, tx, wide, ("replica", "data")).init(params0())
     with pytest.raises(ValueError, match="needs params"):
         tx.update(params0(), tx.init(params0()))
 
