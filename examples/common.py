@@ -224,6 +224,20 @@ def gradient_transformation(
     )
 
 
+def per_replica(opt_state) -> bool:
+    """Whether the replicas keep parameters of their own
+    (``jc.optax.diloco``), laid out with one copy per device."""
+    import jaxcomp as jc
+
+    return isinstance(opt_state, jc.optax.DiLoCoState)
+
+
+def model_params(params, opt_state):
+    """The parameters to evaluate: DiLoCo's anchor (the replicas' last
+    synchronized parameters), else ``params``."""
+    return opt_state.anchor if per_replica(opt_state) else params
+
+
 def step_telemetry(spec: CodecSpec, opt_state, num_params: int, num_devices: int):
     """(bits per element, bytes sent by one device) of the last step, traced.
 
@@ -233,7 +247,7 @@ def step_telemetry(spec: CodecSpec, opt_state, num_params: int, num_devices: int
     """
     import jax.numpy as jnp
 
-    if spec.uncompressed:
+    if spec.uncompressed and not per_replica(opt_state):
         p = num_devices
         wire = 2.0 * (p - 1) / p * 4.0 * num_params if p > 1 else 0.0
         return jnp.float32(32.0), jnp.float32(wire)
@@ -246,8 +260,9 @@ def step_telemetry(spec: CodecSpec, opt_state, num_params: int, num_devices: int
 def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params: int):
     """A jitted ``run(params, opt_state, data_key, start, num_steps)``.
 
-    ``params`` are replicated; ``opt_state`` is laid out by
-    ``jc.optax.init`` (per-device residuals sharded over ``"data"``).
+    ``params`` are replicated (per replica, one copy per device sharded
+    over ``"data"``, under ``jc.optax.diloco``); ``opt_state`` is laid out
+    by ``jc.optax.init`` (per-device residuals sharded over ``"data"``).
 
     It runs ``num_steps`` data-parallel steps inside one ``jax.shard_map``
     (a ``lax.fori_loop``): on every device, ``loss_fn(params, key)`` with a
@@ -269,15 +284,18 @@ def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params
     import jaxcomp as jc
 
     ndev = mesh.shape[AXIS]
-    param_specs = jax.tree.map(lambda _: P(), param_shapes)
     state_shapes = jax.eval_shape(tx.init, param_shapes)
-    if spec.uncompressed:  # no per-device state: all replicated
+    own = per_replica(state_shapes)
+    param_specs = jax.tree.map(lambda _: P(AXIS) if own else P(), param_shapes)
+    if spec.uncompressed and not own:  # no per-device state: all replicated
         specs = jax.tree.map(lambda _: P(), state_shapes)
     else:
         specs = jc.optax.state_specs(state_shapes, AXIS)
 
     def local(params, opt_state, data_key, start, num_steps):
         dev = lax.axis_index(AXIS)
+        if own:  # this replica's copy
+            params = jax.tree.map(lambda a: a[0], params)
 
         def body(i, carry):
             params, opt_state, sums = carry
@@ -290,6 +308,8 @@ def make_train_loop(spec: CodecSpec, tx, mesh, loss_fn, param_shapes, num_params
 
         sums = jnp.zeros((4,), jnp.float32)
         params, opt_state, sums = lax.fori_loop(0, num_steps, body, (params, opt_state, sums))
+        if own:
+            params = jax.tree.map(lambda a: a[None], params)
         return params, opt_state, lax.pmean(sums / num_steps, AXIS)
 
     @functools.partial(jax.jit, static_argnums=4, donate_argnums=(0, 1))
@@ -333,6 +353,12 @@ def start(trainer, config, workdir, *, verbose: bool) -> dict:
     init_key, data_key = jax.random.split(jax.random.key(config.seed))
     params = jax.device_put(trainer.init_params(init_key), NamedSharding(trainer.mesh, P()))
     opt_state = jc.optax.init(trainer.make_tx(config.seed), params, trainer.mesh, AXIS)
+    if per_replica(opt_state):  # one copy per device
+        n = trainer.mesh.shape[AXIS]
+        params = jax.jit(
+            lambda p: jax.tree.map(lambda a: jax.numpy.stack([a] * n), p),
+            out_shardings=NamedSharding(trainer.mesh, P(AXIS)),
+        )(params)
     return fit(trainer, params, opt_state, data_key, config, workdir, verbose=verbose)
 
 
@@ -359,7 +385,7 @@ def fit(trainer, params, opt_state, data_key, config, workdir, *, verbose: bool)
         params, opt_state, metrics = trainer.run(params, opt_state, data_key, jnp.int32(start), n)
         metrics = np.asarray(metrics, np.float64)
         train_seconds += time.perf_counter() - t0
-        test_loss, test_acc = (float(v) for v in trainer.evaluate(params))
+        test_loss, test_acc = (float(v) for v in trainer.evaluate(model_params(params, opt_state)))
         row = {
             "step": start + n,
             "loss": metrics[0],
@@ -392,7 +418,7 @@ def fit(trainer, params, opt_state, data_key, config, workdir, *, verbose: bool)
         "wire_bytes": mean("wire_bytes"),
         "train_seconds": train_seconds,
         "history": history,
-        "params": params,
+        "params": model_params(params, opt_state),
     }
     if workdir is not None:
         out = pathlib.Path(workdir)

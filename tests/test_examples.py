@@ -131,6 +131,29 @@ def test_lm_steps_with_onebit_adam():
         main.main(["--config", tiny, "--codec", "float32", "--optimizer", "onebit_adam", "--quiet"])
 
 
+@pytest.mark.slow
+def test_lm_steps_with_diloco():
+    """The LM example's DiLoCo options: jc.optax.diloco with the int8
+    pseudo-gradient every 2 steps on 4 devices; the wire bytes are one
+    synchronization's over 2, and the model evaluated is the anchor."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxcomp as jc
+    from examples.lm import main
+
+    tiny = str(ROOT / "examples/lm/configs/tiny.py")
+    argv = ["--config", tiny, "--codec", "int8", "--no-error-feedback", "--quiet"]
+    result = main.main([*argv, "--sync-every", "2", "--steps", "4", "--num-devices", "4"])
+    assert _finite(result)
+    assert result["test_loss"] < 7.0
+    int8 = jc.codecs.get("int8")
+    n = result["num_params"]
+    want = jc.collectives.send_nbytes(int8, n, jnp.float32, 4) / 2
+    assert result["wire_bytes"] == pytest.approx(want, rel=1e-6)
+    assert all(a.sharding.is_fully_replicated for a in jax.tree.leaves(result["params"]))
+
+
 def test_config_flags_override():
     import argparse
 

@@ -3,6 +3,7 @@
     python -m examples.lm.main --codec qsgd:bits=4 --steps 400
     python -m examples.lm.main --codec float32 --workdir /tmp/lm
     python -m examples.lm.main --codec onebit --optimizer onebit_adam
+    python -m examples.lm.main --sync-every 50 --codec int8 --no-error-feedback   # DiLoCo
 
 Run from the repository root. ``--config`` names a Python file whose
 ``get_config()`` returns a ``train.Config`` (default: configs/default.py);
@@ -41,9 +42,26 @@ def main(argv: list[str] | None = None) -> dict:
         choices=("auto", "momentum", "gradient"),
         help="what onebit_adam sends after its warm-up (default: auto)",
     )
+    ap.add_argument(
+        "--sync-every",
+        type=int,
+        help="DiLoCo: synchronize every this many steps (jc.optax.diloco; default 0: "
+        "data parallelism); --codec then compresses the pseudo-gradient",
+    )
+    ap.add_argument("--outer-lr", type=float, help="DiLoCo's outer SGD lr (default 0.7)")
+    ap.add_argument("--fragments", type=int, help="Streaming DiLoCo: fragments (default 1)")
+    ap.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau (default 0)")
+    ap.add_argument("--alpha", type=float, help="Streaming DiLoCo: mixing factor (default 0)")
     args = ap.parse_args(argv)
     config = common.config_from_flags(args, default="examples/lm/configs/default.py")
     extra = {"optimizer": args.optimizer, "freeze_steps": args.freeze_steps, "send": args.send}
+    extra.update(
+        sync_every=args.sync_every,
+        outer_lr=args.outer_lr,
+        fragments=args.fragments,
+        overlap_steps=args.overlap_steps,
+        alpha=args.alpha,
+    )
     config = dataclasses.replace(config, **{k: v for k, v in extra.items() if v is not None})
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(

@@ -53,6 +53,15 @@ class Config:
     optimizer: str = "adamw"
     freeze_steps: int = 0
     send: str = "auto"  # onebit_adam's send: "auto", "momentum" or "gradient"
+    # DiLoCo (docs/diloco.md): sync_every > 0 runs jc.optax.diloco with the
+    # AdamW above as the inner optimizer and the codec on the pseudo-gradient
+    # (error_feedback as set); outer SGD with Nesterov momentum 0.9 at
+    # outer_lr. fragments, overlap_steps and alpha: Streaming DiLoCo.
+    sync_every: int = 0
+    outer_lr: float = 0.7
+    fragments: int = 1
+    overlap_steps: int = 0
+    alpha: float = 0.0
     eval_windows: int = 256  # held-out windows evaluated (fixed, non-overlapping)
     log_every: int = 100
     seed: int = 0
@@ -166,6 +175,22 @@ class Trainer:
             )
         if c.optimizer != "adamw":
             raise ValueError(f"optimizer must be 'adamw' or 'onebit_adam', got {c.optimizer!r}")
+        if c.sync_every:
+            import jaxcomp as jc
+
+            return jc.optax.diloco(
+                optax.adamw(schedule, weight_decay=c.weight_decay),
+                common.AXIS,
+                sync_every=c.sync_every,
+                outer=optax.sgd(c.outer_lr, momentum=0.9, nesterov=True),
+                codec=None if self.spec.uncompressed else self.spec.build(),
+                error_feedback=c.error_feedback and not self.spec.uncompressed,
+                fragments=c.fragments,
+                overlap_steps=c.overlap_steps,
+                alpha=c.alpha,
+                algorithm=c.algorithm,
+                seed=seed,
+            )
         return optax.chain(
             common.gradient_transformation(
                 self.spec,
