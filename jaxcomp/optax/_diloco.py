@@ -189,44 +189,17 @@ def diloco(
       ``jc.optax.state_specs`` (the inner state and the residual per
       device, the rest replicated).
     """
-    sync_every = check_static_int(_WHO, "sync_every", sync_every, 1)
-    if isinstance(codec, str):
-        codec = get_codec(codec)
-    if codec is not None and not isinstance(codec, Codec):
-        raise TypeError(
-            f"{_WHO}: codec must be a jaxcomp codec, a spec string or None, got {codec!r}"
-        )
-    if error_feedback and codec is None:
-        raise ValueError(f"{_WHO}: error_feedback=True needs a codec (None sends the exact mean)")
-    _check_unit(_WHO, "error_decay", error_decay)
-    if float(error_decay) != 1.0 and not error_feedback:
-        raise ValueError(f"{_WHO}: error_decay needs error_feedback=True (it decays the residual)")
-    if isinstance(axis_name, (tuple, list)):
-        raise ValueError(f"{_WHO}: axis_name must be one mesh axis, got {axis_name!r}")
-    fragments = check_static_int(_WHO, "fragments", fragments, 1)
-    if sync_every % fragments:
-        raise ValueError(
-            f"{_WHO}: fragments={fragments} must divide sync_every={sync_every} (each "
-            f"fragment synchronizes on its own offset, sync_every / fragments apart)"
-        )
-    overlap_steps = check_static_int(_WHO, "overlap_steps", overlap_steps, 0)
-    if overlap_steps >= sync_every:
-        raise ValueError(
-            f"{_WHO}: overlap_steps={overlap_steps} must be below sync_every={sync_every} "
-            f"(a fragment's merge comes before its next synchronization)"
-        )
-    _check_unit(_WHO, "alpha", alpha)
     config = _Config(
         inner=inner,
         outer=optax.sgd(0.7, momentum=0.9, nesterov=True) if outer is None else outer,
         axis_name=axis_name,
         sync_every=sync_every,
         codec=codec,
-        error_feedback=bool(error_feedback),
-        error_decay=float(error_decay),
+        error_feedback=error_feedback,
+        error_decay=error_decay,
         fragments=fragments,
         overlap_steps=overlap_steps,
-        alpha=float(alpha),
+        alpha=alpha,
         algorithm=algorithm,
         seed=seed,
     )
@@ -243,7 +216,7 @@ class _Config:
     outer: optax.GradientTransformation
     axis_name: Any
     sync_every: int
-    codec: Codec | None
+    codec: Codec | str | None  # a spec string becomes its codec
     error_feedback: bool
     error_decay: float
     fragments: int
@@ -251,6 +224,50 @@ class _Config:
     alpha: float
     algorithm: str
     seed: int
+
+    def __post_init__(self):
+        """Checks the arguments; normalizes the codec and the numbers."""
+        sync_every = check_static_int(_WHO, "sync_every", self.sync_every, 1)
+        codec = get_codec(self.codec) if isinstance(self.codec, str) else self.codec
+        if codec is not None and not isinstance(codec, Codec):
+            raise TypeError(
+                f"{_WHO}: codec must be a jaxcomp codec, a spec string or None, got {codec!r}"
+            )
+        if self.error_feedback and codec is None:
+            raise ValueError(
+                f"{_WHO}: error_feedback=True needs a codec (None sends the exact mean)"
+            )
+        _check_unit(_WHO, "error_decay", self.error_decay)
+        if float(self.error_decay) != 1.0 and not self.error_feedback:
+            raise ValueError(
+                f"{_WHO}: error_decay needs error_feedback=True (it decays the residual)"
+            )
+        if isinstance(self.axis_name, (tuple, list)):
+            raise ValueError(f"{_WHO}: axis_name must be one mesh axis, got {self.axis_name!r}")
+        fragments = check_static_int(_WHO, "fragments", self.fragments, 1)
+        if sync_every % fragments:
+            raise ValueError(
+                f"{_WHO}: fragments={fragments} must divide sync_every={sync_every} (each "
+                f"fragment synchronizes on its own offset, sync_every / fragments apart)"
+            )
+        overlap = check_static_int(_WHO, "overlap_steps", self.overlap_steps, 0)
+        if overlap >= sync_every:
+            raise ValueError(
+                f"{_WHO}: overlap_steps={overlap} must be below sync_every={sync_every} "
+                f"(a fragment's merge comes before its next synchronization)"
+            )
+        _check_unit(_WHO, "alpha", self.alpha)
+        normal = dict(
+            sync_every=sync_every,
+            codec=codec,
+            error_feedback=bool(self.error_feedback),
+            error_decay=float(self.error_decay),
+            fragments=fragments,
+            overlap_steps=overlap,
+            alpha=float(self.alpha),
+        )
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
 
     @property
     def span(self) -> int:
@@ -316,39 +333,13 @@ def _update(config: _Config, grads, state: DiLoCoState, params=None):
     step = state.step + 1
     key = jax.random.fold_in(jax.random.wrap_key_data(state.key), step)
 
-    def mix(local, anchor, f):
-        """The merge of fragment ``f``'s anchor into the local values."""
-        if config.alpha == 0.0:
-            return config.merge(local, config.fragment(anchor, f), f)
-        mixed = jax.tree.map(
-            lambda x, a: config.alpha * x + (1.0 - config.alpha) * a,
-            config.fragment(local, f),
-            config.fragment(anchor, f),
-        )
-        return config.merge(local, mixed, f)
-
-    def synchronize(f, local, anchor, outer_state, residual):
-        """Fragment ``f``'s outer step (and its merge, without overlap)."""
-        a, frag = config.fragment(anchor, f), config.fragment(local, f)
-        lo, hi = (int(offsets[f]), int(offsets[f + 1])) if config.error_feedback else (0, 0)
-        mean, r = _average(config, _flatten(a) - _flatten(frag), residual[:, lo:hi], key)
-        outer_updates, o = config.outer.update(_unflatten(mean, a), outer_state[f], a)
-        anchor = config.merge(anchor, optax.apply_updates(a, outer_updates), f)
-        outer_state = (*outer_state[:f], o, *outer_state[f + 1 :])
-        residual = residual.at[:, lo:hi].set(r) if config.error_feedback else residual
-        if config.overlap_steps == 0:
-            local = mix(local, anchor, f)
-        return local, anchor, outer_state, residual
-
     def carry_on(*args):
         return args
 
-    def merge_fragment(f, local, anchor):
-        return mix(local, anchor, f)
-
     # Branch 0 is the step within a round (no collective); branch 1 + f
     # synchronizes fragment f.
-    branches = [carry_on] + [functools.partial(synchronize, f) for f in range(config.fragments)]
+    sync = functools.partial(_synchronize, config, offsets, key)
+    branches = [carry_on] + [functools.partial(sync, f) for f in range(config.fragments)]
     local, anchor, outer_state, residual = lax.switch(
         _due(config, step, 0),
         branches,
@@ -361,7 +352,7 @@ def _update(config: _Config, grads, state: DiLoCoState, params=None):
         local = lax.switch(
             _due(config, step, config.overlap_steps),
             [lambda local, anchor: local]
-            + [functools.partial(merge_fragment, f) for f in range(config.fragments)],
+            + [functools.partial(_mix, config, f) for f in range(config.fragments)],
             local,
             anchor,
         )
@@ -375,6 +366,32 @@ def _update(config: _Config, grads, state: DiLoCoState, params=None):
         key=state.key,
         telemetry=_telemetry(config, sizes, p, state.telemetry),
     )
+
+
+def _mix(config: _Config, f: int, local, anchor):
+    """The merge of fragment ``f``'s anchor into the local values."""
+    if config.alpha == 0.0:
+        return config.merge(local, config.fragment(anchor, f), f)
+    mixed = jax.tree.map(
+        lambda x, a: config.alpha * x + (1.0 - config.alpha) * a,
+        config.fragment(local, f),
+        config.fragment(anchor, f),
+    )
+    return config.merge(local, mixed, f)
+
+
+def _synchronize(config: _Config, offsets, key, f: int, local, anchor, outer_state, residual):
+    """Fragment ``f``'s outer step (and, without overlap, its merge)."""
+    a, frag = config.fragment(anchor, f), config.fragment(local, f)
+    lo, hi = (int(offsets[f]), int(offsets[f + 1])) if config.error_feedback else (0, 0)
+    mean, r = _average(config, _flatten(a) - _flatten(frag), residual[:, lo:hi], key)
+    outer_updates, o = config.outer.update(_unflatten(mean, a), outer_state[f], a)
+    anchor = config.merge(anchor, optax.apply_updates(a, outer_updates), f)
+    outer_state = (*outer_state[:f], o, *outer_state[f + 1 :])
+    residual = residual.at[:, lo:hi].set(r) if config.error_feedback else residual
+    if config.overlap_steps == 0:
+        local = _mix(config, f, local, anchor)
+    return local, anchor, outer_state, residual
 
 
 def _average(config: _Config, delta: jax.Array, residual: jax.Array, key):
