@@ -216,6 +216,33 @@ def test_data_parallel_step_is_the_hand_written_one(streaming):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_pmap_step_is_the_shard_map_one():
+    """Under jax.pmap (state from jax.pmap(tx.init)) the replicas and the
+    anchor follow the shard_map step's (to the last bits: the two programs
+    are fused differently)."""
+    mesh = mesh_of(N_DEV)
+    tx = jc.optax.diloco(optax.adam(LR), AXIS, sync_every=2, codec="int8", fragments=2)
+    params, state, step = start(mesh, tx)
+    devices = jax.devices()[:N_DEV]
+    rows = jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params0())
+    pstate = jax.pmap(tx.init, axis_name=AXIS, devices=devices)(rows)
+
+    def body(p, s, x, y):
+        u, s = tx.update(jax.grad(loss)(p, x, y), s, p)
+        return optax.apply_updates(p, u), s
+
+    pstep = jax.pmap(body, axis_name=AXIS, devices=devices)
+    for t in range(5):
+        params, state = step(params, state, *data(t))
+        rows, pstate = pstep(rows, pstate, *data(t))
+    for k in params:
+        np.testing.assert_allclose(np.asarray(rows[k]), np.asarray(params[k]), rtol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(pstate.anchor[k])[0], shards(state.anchor[k])[0], rtol=1e-5
+        )
+    assert int(pstate.step[0]) == 5
+
+
 def test_one_step_rounds_of_sgd_are_data_parallel_sgd():
     """sync_every=1, inner SGD with lr and outer SGD with 1.0: the anchor moves
     by lr times the mean gradient, as data-parallel SGD."""
