@@ -32,7 +32,8 @@ emulated-link test bed of benchmarks/collectives.py (root; tbf in both
 directions), one CPU device each, the same steps, ``--time-steps`` of them
 per row after one to compile. Reported: the mean step time (every step of
 the run, synchronizations included, the slowest process), the median (a
-step within a round, where DiLoCo runs no collective), the alpha-beta
+step within a round, where DiLoCo runs no collective), the slowest step
+(a synchronization's, whose all-reduce the step waits for), the alpha-beta
 prediction (the compute, the smallest median of the rows, plus the bytes
 per inner step over the link rate), and, from the losses of benchmarks/results/diloco.json,
 the time to data parallel's final loss within 2% (steps to reach it times
@@ -275,7 +276,8 @@ def losses(args: argparse.Namespace) -> None:
         f"{'test loss':>10s} {'s':>6s}"
     )
     dp_wire = lm.wire(None, None)
-    results = json.loads(LOSSES.read_text()) if args.merge and LOSSES.exists() else {}
+    path = pathlib.Path(args.json)
+    results = json.loads(path.read_text()) if args.merge and path.exists() else {}
     for row in args.rows:
         options = diloco_options(row, args.outer_lr)
         t0 = time.perf_counter()
@@ -300,8 +302,8 @@ def losses(args: argparse.Namespace) -> None:
         )
         record = {"wire_bytes": wire, "peak_bytes": top, "loss": loss, "history": history}
         results.setdefault(f"{args.steps}", {}).setdefault(f"seed{args.seed}", {})[row] = record
-    LOSSES.parent.mkdir(parents=True, exist_ok=True)
-    LOSSES.write_text(json.dumps(results, indent=1))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))  # after every row
 
 
 # ---------------------------------------------------------------------------
@@ -379,7 +381,7 @@ def link_table(args: argparse.Namespace, rate: str, runs: list[dict]) -> dict:
     target = curves["dp"]["loss"] * WITHIN if "dp" in curves else None
     print(f"\n{rate}, {args.procs} processes, {args.time_steps} steps per row")
     print(
-        f"{'row':28s} {'bytes/step':>11s} {'mean ms':>8s} {'median ms':>9s} "
+        f"{'row':28s} {'bytes/step':>11s} {'mean ms':>8s} {'median ms':>9s} {'max ms':>7s} "
         f"{'alpha-beta':>10s} {'to dp loss, s':>14s}"
     )
     table = {}
@@ -391,6 +393,7 @@ def link_table(args: argparse.Namespace, rate: str, runs: list[dict]) -> dict:
         per = [r[row] for r in runs]
         mean = max(float(np.mean(r["times"])) for r in per)  # the slowest process
         median = max(float(np.median(r["times"])) for r in per)
+        slowest = max(float(np.max(r["times"])) for r in per)  # a synchronization's step
         wire = per[0]["wire_bytes"]
         model = compute + 8 * wire / bps
         reach = steps_to(curves[row]["history"], target) if target and row in curves else None
@@ -399,6 +402,7 @@ def link_table(args: argparse.Namespace, rate: str, runs: list[dict]) -> dict:
             "wire_bytes": wire,
             "mean_s": mean,
             "median_s": median,
+            "max_s": slowest,
             "alpha_beta_s": model,
             "steps_to_target": reach,
             "seconds_to_target": seconds,
@@ -406,7 +410,7 @@ def link_table(args: argparse.Namespace, rate: str, runs: list[dict]) -> dict:
         shown = f"{seconds:14.1f}" if seconds is not None else f"{'not reached':>14s}"
         print(
             f"{row:28s} {wire:11,.0f} {1e3 * mean:8.1f} {1e3 * median:9.1f} "
-            f"{1e3 * model:10.1f} {shown}",
+            f"{1e3 * slowest:7.1f} {1e3 * model:10.1f} {shown}",
             flush=True,
         )
     return {"target_loss": target, "compute_s": compute, "rows": table}
@@ -437,7 +441,8 @@ def main() -> int:
     ap.add_argument("--outer-lr", type=float, default=0.7)
     ap.add_argument("--rows", nargs="+")
     ap.add_argument("--eval-every", type=int, default=0, help="evaluate every this many steps")
-    ap.add_argument("--merge", action="store_true", help="add to benchmarks/results/diloco.json")
+    ap.add_argument("--json", default=str(LOSSES), help="the losses' file")
+    ap.add_argument("--merge", action="store_true", help="add to the losses' file")
     ap.add_argument("--links", nargs="+", choices=list(testbed.RATES), help="time over these")
     ap.add_argument("--procs", type=int, default=4)
     ap.add_argument("--time-steps", type=int, default=200, help="steps timed per row (--links)")

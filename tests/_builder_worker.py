@@ -10,7 +10,10 @@ handing in its rows of every global batch: STEPS steps straight through;
 the same steps through a shard_map step written by hand (bit for bit
 equal); and STEPS // 2 steps, an orbax checkpoint (every process writing
 its shards), a restore into fresh arrays and the rest (bit for bit equal to
-the straight run). Saves the losses and the final parameters.
+the straight run). Then jc.optax.diloco through jc.data_parallel (a linear
+model, int8 pseudo-gradients every 2 steps: the parameters one copy per
+device, across the processes). Saves the losses, the final parameters and
+DiLoCo's anchor.
 """
 
 import sys
@@ -28,6 +31,30 @@ def assert_same(*trees) -> None:
     for a, b in pairs:
         for sa, sb in zip(a.addressable_shards, b.addressable_shards, strict=True):
             np.testing.assert_array_equal(np.asarray(sa.data), np.asarray(sb.data))
+
+
+def diloco_anchor(mesh, local) -> np.ndarray:
+    """DiLoCo's anchor after 5 steps of jc.data_parallel on ``mesh`` (a
+    linear model, int8 pseudo-gradients every 2 steps), each process handing
+    in ``local(rows)`` of every global batch. tests/test_train_builder_multiprocess.py
+    runs it in one process too."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxcomp as jc
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((x @ p["w"] - y) ** 2)
+
+    tx = jc.optax.diloco(optax.sgd(0.05), "data", sync_every=2, codec="int8")
+    step = jc.data_parallel(loss, tx, mesh)
+    params, state = step.init({"w": jnp.zeros((8, 2))})
+    for i in range(5):
+        x = np.random.default_rng(i).normal(size=(4 * mesh.size, 8)).astype(np.float32)
+        batch = (x, np.tanh(x[:, :2]))
+        params, state, _ = step(params, state, step.shard_batch(tuple(map(local, batch))))
+    return np.asarray(state.anchor["w"].addressable_shards[0].data)
 
 
 def main() -> None:
@@ -125,8 +152,9 @@ def main() -> None:
     assert first + second == losses, (first + second, losses)
     assert_same(p, s, params, opt_state)
 
+    anchor = diloco_anchor(mesh, lambda a: a[pid * len(a) // num : (pid + 1) * len(a) // num])
     kernel = np.asarray(params["conv1"]["kernel"].addressable_shards[0].data)
-    np.savez(out, losses=np.asarray(losses), kernel=kernel)
+    np.savez(out, losses=np.asarray(losses), kernel=kernel, anchor=anchor)
     jax.distributed.shutdown()
 
 

@@ -3,14 +3,17 @@ collectives): the NNX digits CNN trained by 2 processes x 4 devices, each
 process handing in its rows of every global batch, equals the hand-written
 shard_map step bit for bit, resumes from a mid-run orbax checkpoint bit for
 bit (tests/_builder_worker.py asserts both), and every process ends with the
-same losses and parameters."""
+same losses and parameters; jc.optax.diloco through jc.data_parallel ends
+with the anchor of the same run in one process."""
 
 import os
 import pathlib
 import sys
 
+import jax
 import numpy as np
 import pytest
+from _builder_worker import diloco_anchor
 from helpers import free_port, run_processes, worker_xla_flags
 
 pytestmark = pytest.mark.multiprocess
@@ -43,3 +46,15 @@ def test_two_processes_of_four_devices(tmp_path):
     for r in results[1:]:
         np.testing.assert_array_equal(r["losses"], results[0]["losses"])
         np.testing.assert_array_equal(r["kernel"], results[0]["kernel"])
+        np.testing.assert_array_equal(r["anchor"], results[0]["anchor"])
+    assert np.abs(results[0]["anchor"]).max() > 0  # two synchronizations moved it
+    if len(jax.devices()) >= num * local:
+        mesh = jax.make_mesh(
+            (num * local,),
+            ("data",),
+            devices=jax.devices()[: num * local],
+            axis_types=(jax.sharding.AxisType.Auto,),
+        )
+        np.testing.assert_allclose(
+            results[0]["anchor"], diloco_anchor(mesh, lambda a: a), rtol=1e-6, atol=1e-7
+        )
