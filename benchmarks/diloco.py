@@ -17,7 +17,9 @@ value codec, e.g. ``mx-element=e2m1``), error feedback decayed by 0.95 in place 
 the outer momentum, outer SGD with lr 1. ``streaming:H:F:tau:alpha[:codec]``
 is Streaming DiLoCo (arXiv 2501.18512): F fragments, the merge tau steps
 after each fragment's synchronization with mixing factor alpha. The inner
-AdamW is the data-parallel one's, schedule included.
+AdamW is the data-parallel one's, schedule included. ``codec:CODEC`` is a
+per-step codec instead: ``optax.chain(jc.optax.compress_gradients(CODEC),
+AdamW)`` with error feedback, every step (``-`` for ``:`` in the spec).
 
 The losses (the default mode): 4 simulated devices of one process. Per
 row: the bytes a device sends per inner step (a ring all-reduce of float32
@@ -74,6 +76,8 @@ def diloco_options(row: str, outer_lr: float) -> dict | None:
     if row == "dp":
         return None
     kind, *parts = row.split(":")
+    if kind == "codec":  # a per-step codec: no DiLoCo
+        return {"per_step": parts[0].replace("-", ":")}
     nesterov = optax.sgd(outer_lr, momentum=0.9, nesterov=True)
     if kind == "sparseloco":
         k = int(parts[1]) if len(parts) > 1 else 2
@@ -185,6 +189,44 @@ class LM:
         state = jax.jit(tx.init, out_shardings=NamedSharding(self.mesh, P()))(params)
         return step, params, state
 
+    def per_step(self, codec: str):
+        """``(step, params, state)`` of ``compress_gradients(codec)`` then
+        AdamW, the gradients averaged through the codec at every step."""
+        import jax
+        import optax
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        import jaxcomp as jc
+
+        tx = optax.chain(jc.optax.compress_gradients(codec, "data"), self.inner)
+        params = jax.device_put(self.params0, NamedSharding(self.mesh, P()))
+        state = jc.optax.init(tx, params, self.mesh, "data")
+        specs = jc.optax.state_specs(state, "data")
+
+        def body(params, state, t):
+            u, state = tx.update(self.grad(params, t), state, params)
+            return optax.apply_updates(params, u), state
+
+        step = jax.jit(
+            jax.shard_map(
+                body,
+                mesh=self.mesh,
+                in_specs=(P(), specs, P()),
+                out_specs=(P(), specs),
+                check_vma=False,
+            )
+        )
+        return step, params, state
+
+    def start(self, options: dict | None):
+        """``(step, params, state)`` of a row."""
+        if options is None:
+            return self.dp()
+        if "per_step" in options:
+            return self.per_step(options["per_step"])
+        return self.diloco(options)
+
     def diloco(self, options: dict):
         """``(step, params, state)`` of ``jc.optax.diloco(inner, **options)``,
         the parameters one copy per replica."""
@@ -227,7 +269,8 @@ class LM:
         return step, params, state
 
     def peak(self, options: dict | None) -> float:
-        """Bytes a device sends in the largest single synchronization."""
+        """Bytes a device sends in the largest single synchronization (of
+        ``dp`` or a DiLoCo row)."""
         import jax
         import jax.numpy as jnp
 
@@ -281,10 +324,10 @@ def losses(args: argparse.Namespace) -> None:
     for row in args.rows:
         options = diloco_options(row, args.outer_lr)
         t0 = time.perf_counter()
-        step, params, state = lm.dp() if options is None else lm.diloco(options)
+        step, params, state = lm.start(options)
 
         def model(params, state, options=options):
-            if options is None:
+            if options is None or "per_step" in options:
                 return params
             return jax.tree.map(lambda a: np.asarray(a.addressable_shards[0].data), state.anchor)
 
@@ -295,7 +338,8 @@ def losses(args: argparse.Namespace) -> None:
                 history.append((t + 1, lm.evaluate(model(params, state))))
         history.append((args.steps, lm.evaluate(model(params, state))))
         dt = time.perf_counter() - t0
-        wire, top, loss = lm.wire(options, state), lm.peak(options), history[-1][1]
+        wire, loss = lm.wire(options, state), history[-1][1]
+        top = wire if options and "per_step" in options else lm.peak(options)
         print(
             f"{row:28s} {wire:18,.0f} {dp_wire / wire:8.1f} {top:10,.0f} {loss:10.4f} {dt:6.1f}",
             flush=True,
@@ -319,7 +363,7 @@ def worker(args: argparse.Namespace) -> None:
     out = {}
     for row in args.rows:
         options = diloco_options(row, args.outer_lr)
-        step, params, state = lm.dp() if options is None else lm.diloco(options)
+        step, params, state = lm.start(options)
         params, state = step(params, state, jnp.int32(0))  # compiles
         jax.block_until_ready((params, state))
         times = []
