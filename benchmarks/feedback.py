@@ -3,6 +3,7 @@ one pass against the three calls it replaces, on the CPU.
 
     python benchmarks/feedback.py                  # 2^24 float32, the fused codecs
     python benchmarks/feedback.py --log2-n 22 --reps 5
+    python benchmarks/feedback.py --codecs topk:fraction=0.01 int8
 
 Per codec with a fused CPU kernel (``feedback_kernel``): the fused kernel;
 the same result from the separate kernels (``acc = x + residual``, encode,
@@ -32,6 +33,7 @@ def main() -> int:
     )
     ap.add_argument("--log2-n", type=int, default=24)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--codecs", nargs="+", help="codec specs (default: every fused example)")
     args = ap.parse_args()
     n = 1 << args.log2_n
     x = _bench.make_input(n, seed=1)
@@ -63,7 +65,10 @@ def main() -> int:
     print(f"floor (read x and r, write r): {floor * 1e3:.2f} ms, {gbps / floor:.1f} GB/s")
     print("| codec | path | ms | GB/s of gradient | x floor |")
     print("|---|---|---|---|---|")
-    codecs = [c for c in _bench.default_codecs() if c.feedback_kernel]
+    if args.codecs:
+        codecs = [jc.codecs.get(spec) for spec in args.codecs]
+    else:
+        codecs = [c for c in _bench.default_codecs() if c.feedback_kernel]
     for codec in codecs:
 
         def fused(i, r, codec=codec, backend="ffi"):

@@ -328,59 +328,63 @@ void select_whole(Runner& runner, const W* x, int64_t n, int64_t k, I* idx, W* v
   });
 }
 
-// k of every bucket; the last bucket, of length L < k, emits its L elements
-// and then padding entries with local indices L .. k-1 and value 0.
+// k of one bucket's len values xb into ib and vb (k entries); a bucket of
+// length len < k emits its len elements and then padding entries with local
+// indices len .. k-1 and value 0. keys and cand hold len words each.
+template <typename W, typename I>
+void select_bucket(const W* xb, int64_t len, int64_t k, uint32_t* keys, uint32_t* cand, I* ib, W* vb) {
+  const int64_t kb = std::min(k, len);
+  if (kb == len) {
+    for (int64_t i = 0; i < len; ++i) {
+      ib[i] = static_cast<I>(i);
+      vb[i] = xb[i];
+    }
+    for (int64_t i = len; i < k; ++i) {
+      ib[i] = static_cast<I>(i);
+      vb[i] = 0;
+    }
+    return;
+  }
+  // The bin of the kb-th largest key in a 256-bin histogram of the top
+  // key bits, then nth_element among that bin's keys only.
+  constexpr int kShift = sizeof(W) == 4 ? 23 : 7;
+  uint32_t hist[256] = {0};
+  for (int64_t i = 0; i < len; ++i) {
+    keys[i] = topk_key(xb[i]);
+    ++hist[keys[i] >> kShift];
+  }
+  uint32_t above_bin = 0;
+  const int bin = topk_find_bin<uint32_t>(hist, 256, static_cast<uint32_t>(kb), &above_bin);
+  int64_t above = above_bin;
+  int64_t m = 0;
+  for (int64_t i = 0; i < len; ++i)
+    if ((keys[i] >> kShift) == static_cast<uint32_t>(bin)) cand[m++] = keys[i];
+  const int64_t r = kb - above - 1;
+  std::nth_element(cand, cand + r, cand + m, std::greater<uint32_t>());
+  const uint32_t t = cand[r];
+  for (int64_t j = 0; j < m; ++j) above += cand[j] > t;
+  const int64_t need_eq = kb - above;
+  int64_t p = 0, ties = 0;
+  for (int64_t i = 0; i < len && p < kb; ++i) {
+    const uint32_t key = keys[i];
+    const bool chosen = topk_chosen(key, t, ties, need_eq);
+    ties += key == t;
+    if (!chosen) continue;
+    ib[p] = static_cast<I>(i);
+    vb[p] = xb[i];
+    ++p;
+  }
+}
+
+// k of every bucket (select_bucket); buckets run in parallel.
 template <typename W, typename I>
 void select_buckets(Runner& runner, const W* x, int64_t n, int64_t k, int64_t bucket, I* idx, W* val) {
   const int64_t nb = num_buckets(n, bucket);
   parallel_for(runner, nb, buckets_per_task(bucket), [&](int64_t b0, int64_t b1) {
     std::vector<uint32_t> keys(bucket), cand(bucket);
     for (int64_t b = b0; b < b1; ++b) {
-      const W* xb = x + b * bucket;
       const int64_t len = std::min(bucket, n - b * bucket);
-      const int64_t kb = std::min(k, len);
-      I* ib = idx + b * k;
-      W* vb = val + b * k;
-      if (kb == len) {
-        for (int64_t i = 0; i < len; ++i) {
-          ib[i] = static_cast<I>(i);
-          vb[i] = xb[i];
-        }
-        for (int64_t i = len; i < k; ++i) {
-          ib[i] = static_cast<I>(i);
-          vb[i] = 0;
-        }
-        continue;
-      }
-      // The bin of the kb-th largest key in a 256-bin histogram of the top
-      // key bits, then nth_element among that bin's keys only.
-      constexpr int kShift = sizeof(W) == 4 ? 23 : 7;
-      uint32_t hist[256] = {0};
-      for (int64_t i = 0; i < len; ++i) {
-        keys[i] = topk_key(xb[i]);
-        ++hist[keys[i] >> kShift];
-      }
-      uint32_t above_bin = 0;
-      const int bin = topk_find_bin<uint32_t>(hist, 256, static_cast<uint32_t>(kb), &above_bin);
-      int64_t above = above_bin;
-      int64_t m = 0;
-      for (int64_t i = 0; i < len; ++i)
-        if ((keys[i] >> kShift) == static_cast<uint32_t>(bin)) cand[m++] = keys[i];
-      const int64_t r = kb - above - 1;
-      std::nth_element(cand.begin(), cand.begin() + r, cand.begin() + m, std::greater<uint32_t>());
-      const uint32_t t = cand[r];
-      for (int64_t j = 0; j < m; ++j) above += cand[j] > t;
-      const int64_t need_eq = kb - above;
-      int64_t p = 0, ties = 0;
-      for (int64_t i = 0; i < len && p < kb; ++i) {
-        const uint32_t key = keys[i];
-        const bool chosen = topk_chosen(key, t, ties, need_eq);
-        ties += key == t;
-        if (!chosen) continue;
-        ib[p] = static_cast<I>(i);
-        vb[p] = xb[i];
-        ++p;
-      }
+      select_bucket<W, I>(x + b * bucket, len, k, keys.data(), cand.data(), idx + b * k, val + b * k);
     }
   });
 }
@@ -431,6 +435,66 @@ void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t
 }
 
 // ---------------------------------------------------------------------------
+// Error feedback in one pass
+// ---------------------------------------------------------------------------
+// acc = float32(x) + residual (one float32 add per element) goes straight
+// into the new residual; the payload is the selection of acc, its values
+// float32 words; each chosen element's new residual is then acc - acc, what
+// acc - decode(payload) is there (0; NaN for an infinity or a NaN), and every
+// other element keeps acc (acc - 0). No decoded tensor is written.
+template <typename T>
+void acc_into(const T* x, const float* residual, int64_t i0, int64_t i1, float* out) {
+  for (int64_t i = i0; i < i1; ++i) out[i] = to_f32(x[i]) + residual[i];
+}
+
+inline void acc_any(DType dt, const void* x, const float* residual, int64_t i0, int64_t i1, float* out) {
+  switch (dt) {
+    case DType::kBF16: return acc_into(static_cast<const bf16_t*>(x), residual, i0, i1, out);
+    case DType::kF16: return acc_into(static_cast<const f16_t*>(x), residual, i0, i1, out);
+    default: return acc_into(static_cast<const float*>(x), residual, i0, i1, out);
+  }
+}
+
+// A chosen element's new residual: acc - decoded, where decoded is acc.
+inline float chosen_kept(uint32_t word) {
+  const float a = bits_f32(word);
+  return a - a;
+}
+
+// k of every bucket: each bucket's acc is made, selected and corrected while
+// it is in cache.
+template <typename I>
+void feedback_buckets(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, int64_t k,
+                      int64_t bucket, I* idx, uint32_t* val, float* out) {
+  const int64_t nb = num_buckets(n, bucket);
+  parallel_for(runner, nb, buckets_per_task(bucket), [&](int64_t b0, int64_t b1) {
+    std::vector<uint32_t> words(bucket), keys(bucket), cand(bucket);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t start = b * bucket, len = std::min(bucket, n - start);
+      acc_any(dt, x, residual, start, start + len, out);
+      std::memcpy(words.data(), out + start, static_cast<size_t>(len) * sizeof(float));
+      I* ib = idx + b * k;
+      uint32_t* vb = val + b * k;
+      select_bucket<uint32_t, I>(words.data(), len, k, keys.data(), cand.data(), ib, vb);
+      for (int64_t j = 0; j < std::min(k, len); ++j) out[start + static_cast<int64_t>(ib[j])] = chosen_kept(vb[j]);
+    }
+  });
+}
+
+// k of the whole tensor: acc in one parallel pass, then select_whole reads it
+// (usually once) and the k chosen elements are corrected.
+template <typename I>
+void feedback_whole(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, int64_t k, I* idx,
+                    uint32_t* val, float* out) {
+  parallel_for(runner, n, kElementsPerTask,
+               [&](int64_t i0, int64_t i1) { acc_any(dt, x, residual, i0, i1, out); });
+  select_whole<uint32_t, I>(runner, reinterpret_cast<const uint32_t*>(out), n, k, idx, val);
+  parallel_for(runner, k, kElementsPerTask, [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) out[static_cast<int64_t>(idx[j])] = chosen_kept(val[j]);
+  });
+}
+
+// ---------------------------------------------------------------------------
 // Handlers
 // ---------------------------------------------------------------------------
 ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> indices,
@@ -470,7 +534,33 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBuff
   });
 }
 
+ffi::Error EncodeFeedbackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> residual,
+                              ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> values,
+                              ffi::ResultBuffer<ffi::F32> out, int64_t k, int64_t bucket) {
+  const Batch b(x, residual, *indices, *values, *out);
+  const DType dt = dtype_of(x.element_type());
+  const int ibytes = index_bytes(indices->element_type());
+  const int64_t n = b.count(0);
+  const char* error = topk_check_feedback(dt, dtype_of(values->element_type()), ibytes, n, k, bucket, b.count(1),
+                                          b.count(2), b.count(3), b.count(4));
+  hint_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
+    if (n == 0) return;
+    topk_with_types(DType::kF32, ibytes, [&](auto, auto ix) {
+      using I = decltype(ix);
+      if (bucket == 0) {
+        feedback_whole<I>(runner, dt, b.at<void>(0, i), b.at<const float>(1, i), n, k, b.at<I>(2, i),
+                          b.at<uint32_t>(3, i), b.at<float>(4, i));
+      } else {
+        feedback_buckets<I>(runner, dt, b.at<void>(0, i), b.at<const float>(1, i), n, k, bucket, b.at<I>(2, i),
+                            b.at<uint32_t>(3, i), b.at<float>(4, i));
+      }
+    });
+  });
+}
+
 JAXCOMP_REGISTER(kTopkEncode, EncodeImpl);
+JAXCOMP_REGISTER(kTopkEncodeFeedback, EncodeFeedbackImpl);
 JAXCOMP_REGISTER(kTopkDecode, DecodeImpl);
 
 }  // namespace

@@ -134,7 +134,7 @@ def decode_sum_codecs() -> list[Codec]:
 
 def feedback_codecs() -> list[Codec]:
     """Every example of a codec with a fused error-feedback kernel (CPU)."""
-    return [c for cls in jaxcomp.codecs.registered() if cls.feedback_kernel for c in cls.examples()]
+    return [c for cls in jaxcomp.codecs.registered() for c in cls.examples() if c.feedback_kernel]
 
 
 def codec_id(codec: Codec) -> str:

@@ -104,6 +104,24 @@ def test_the_cpu_step_calls_the_fused_kernel(codec):
     assert f"jaxcomp_{codec.name}_decode" not in hlo
 
 
+@needs_ffi
+@pytest.mark.parametrize(
+    "spread", ["distinct", "ties"], ids=["sampled selection", "exact selection"]
+)
+def test_topk_large_tensors_in_one_pass(spread):
+    """TopK's whole-tensor selection of a large acc: past 2^20 elements it
+    samples a bound and collects (distinct magnitudes), or falls back to the
+    radix select (a few magnitudes, many ties); both from the acc the
+    one-pass kernel wrote into the new residual."""
+    n = (1 << 20) + 37
+    if spread == "distinct":
+        x = gradient_like(n, seed=11)
+    else:
+        x = jnp.asarray(np.resize(np.array([0.5, -0.25, 0.5, 1.0], np.float32), n))
+    res = residual_like(n, 12) if spread == "distinct" else jnp.zeros((n,), jnp.float32)
+    check_same(jc.codecs.TopK(fraction=0.01), x, res, KEY, "ffi", "ffi", spread)
+
+
 def test_a_residual_of_another_shape_or_dtype_is_refused():
     codec = jc.codecs.Int8()
     x = jnp.ones((100,), jnp.float32)
@@ -121,6 +139,7 @@ def test_a_residual_of_another_shape_or_dtype_is_refused():
         (jc.codecs.QSGD(bits=4), "two_phase", 2),  # the first stage and the owner's
         (jc.codecs.OneBit(), "allgather", 1),
         (jc.codecs.Int8(), "ring", 0),  # the separate calls, as before
+        (jc.codecs.TopK(fraction=0.01), "sparse", 1),  # the first stage; the dense one is raw
     ],
     ids=codec_id,
 )

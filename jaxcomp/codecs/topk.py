@@ -150,6 +150,13 @@ class TopK(SparseCodec):
         return users + more if coverage else users
 
     @property
+    def feedback_kernel(self) -> bool:  # type: ignore[override]
+        """Whether :meth:`encode_feedback` has the one-pass CPU kernel:
+        without a value codec (the kept values are sent exactly, so the new
+        residual is ``acc`` with each chosen element's ``acc - acc``)."""
+        return self.value_codec is None
+
+    @property
     def stochastic(self) -> bool:  # type: ignore[override]
         """Whether encoding needs a key: when the value codec does."""
         return self.value_codec is not None and bool(self.value_codec.stochastic)
@@ -208,6 +215,29 @@ class TopK(SparseCodec):
             return indices, values
         nested = self.value_codec.encode(values, key, backend=backend)
         return (indices, *nested.arrays.values())
+
+    def _feedback_fused(self, flat, res, key, backend, shape):
+        n = flat.size
+        if n == 0:
+            return self._feedback_by_calls(flat, res, key, backend, shape)
+        k, bucket = self.selection(n)
+        layout = self.arrays(n, jnp.float32)
+
+        def twin(flat, res):
+            acc = flat.astype(jnp.float32) + res
+            indices, values = encode_ref(acc, k, bucket)
+            return indices, values, acc - decode_ref(indices, values, n, k, bucket)
+
+        outs = self.kernel(
+            backend,
+            "jaxcomp_topk_encode_feedback",
+            twin,
+            (flat, res),
+            (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
+            k=k,
+            bucket_size=bucket,
+        )
+        return self.payload(tuple(outs[:-1]), shape, jnp.float32), outs[-1].reshape(shape)
 
     def values(self, payload: Payload, *, backend: str = "auto") -> jax.Array:
         """The payload's values in the tensor's dtype, ``[..., entries]``

@@ -28,8 +28,9 @@ from jaxcomp.codecs.identity import Identity
 from jaxcomp.collectives._algorithm import Algorithm, Context, register
 from jaxcomp.collectives._decode import decode_own, decode_rows
 from jaxcomp.collectives._exchange import as_bits, collective, exchange, record
-from jaxcomp.collectives._feedback import charge, owner_stage
+from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
+from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import tier_index, transfer
 from jaxcomp.payload import Payload
 
@@ -79,9 +80,24 @@ class Sparse(Algorithm):
 
     def run(self, ctx, flat, state):
         _check(ctx.codec)
-        if static_fits(ctx.codec, flat.size, flat.dtype, ctx.size):
-            return static_allreduce(ctx, flat, state)
-        return split_allgather(ctx, flat, state)
+        p = ctx.codec.encode(flat, ctx.key)
+        return self._reduce(ctx, p, flat.dtype, state, decode_own(p), kept=False)
+
+    def run_feedback(self, ctx, flat, residual, state):
+        """The one compression makes the payload and the new residual
+        together (:func:`compress_kept`: TopK's one-pass kernel on the CPU
+        where the values are sent as they are)."""
+        _check(ctx.codec)
+        p, kept = compress_kept(ctx.codec, flat, residual, ctx.key, flat.dtype)
+        return self._reduce(ctx, after(p, ctx.dep), flat.dtype, state, kept, kept=True)
+
+    @staticmethod
+    def _reduce(ctx, p, dtype, state, own, *, kept):
+        """The all-reduce of this device's payload ``p``; ``own`` is what
+        its input became (``sent``) or, with ``kept``, what it kept."""
+        if static_fits(ctx.codec, p.size, dtype, ctx.size):
+            return static_allreduce(ctx, p), own, state
+        return split_allgather(ctx, p, dtype, state, own, kept=kept)
 
     def chosen(self, codec, n, axes):
         """Sparse codecs (``Rate.SPARSE``, TopK) over more than one device."""
@@ -119,18 +135,17 @@ def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
     )
 
 
-def static_allreduce(ctx: Context, flat: jax.Array, state=None):
+def static_allreduce(ctx: Context, p: Payload) -> jax.Array:
     """Every device's pairs to everyone (``all_gather`` of the payloads as
     they are), summed into a dense tensor (one compression: no server
-    residual)."""
-    n = flat.size
-    p = ctx.codec.encode(flat, ctx.key)
+    residual); the sum divided by ``ctx.div``."""
+    n = p.size
 
     def consume(q: Payload):
         return scatter_add(*q.codec.pairs(q), n)
 
     total = transfer(p, "all-gather", ctx.axis, consume)
-    return (total if ctx.div == 1 else total / ctx.div), decode_own(p), state
+    return total if ctx.div == 1 else total / ctx.div
 
 
 def _route(idx, vals, start, end, c, size, cap, dtype):
@@ -146,27 +161,28 @@ def _route(idx, vals, start, end, c, size, cap, dtype):
     return local, v
 
 
-def split_allgather(ctx: Context, flat: jax.Array, state=None):
-    """DSAR_Split_allgather: device j owns indices [j c, (j+1) c). The pairs
-    of each range go to their owner (``all_to_all`` in a static capacity
-    tier agreed by ``pmax``, as for variable-rate codecs), the owner sums
-    them densely, and the owned ranges are all-gathered dense: raw, or
-    through the codec's ``value_codec`` where it has one (SparCML section
-    6). That stage's error stays in the owner's server residual (``state``,
-    the owned range) or, without one, is charged to the owner's ``sent``."""
-    n, dtype, size = flat.size, flat.dtype, ctx.size
+def split_allgather(ctx: Context, p: Payload, dtype, state, own: jax.Array, *, kept: bool):
+    """DSAR_Split_allgather of this device's payload ``p``: device j owns
+    indices [j c, (j+1) c). The pairs of each range go to their owner
+    (``all_to_all`` in a static capacity tier agreed by ``pmax``, as for
+    variable-rate codecs), the owner sums them densely, and the owned
+    ranges are all-gathered dense: raw, or through the codec's
+    ``value_codec`` where it has one (SparCML section 6). That stage's error
+    stays in the owner's server residual (``state``, the owned range) or,
+    without one, is charged to the owner's ``own`` (its ``sent``, or with
+    ``kept`` what its input kept: :func:`charge`)."""
+    n, size = p.size, ctx.size
     me = lax.axis_index(ctx.axis)
     c = _owned_len(n, size)
-    p = ctx.codec.encode(flat, ctx.key)
-    sent = decode_own(p)
     owned = _reduce_scatter_pairs(ctx, p, c, dtype)
     dense = ctx.codec.value_codec or Identity()  # the dense stage: quantized, or raw
     p2, _, new_state, error = owner_stage(dense, owned, ctx.div, state, fold(ctx.key, size), dtype)
     gathered = exchange(p2, "all-gather", ctx.axis)
     total = decode_rows(gathered).reshape(-1)[:n]
     if error is None:
-        return total, sent, new_state
-    return total, charge(jnp.pad(sent, (0, size * c - n)), me, c, error)[:n], None
+        return total, own, new_state
+    own = charge(jnp.pad(own, (0, size * c - n)), me, c, error, kept=kept)[:n]
+    return total, own, None
 
 
 def _reduce_scatter_pairs(ctx: Context, p: Payload, c: int, dtype) -> jax.Array:

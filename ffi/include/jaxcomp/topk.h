@@ -151,6 +151,17 @@ inline const char* topk_check_decode(DType out, DType values_type, int index_byt
   return values != indices ? "values must match indices" : nullptr;
 }
 
+// Error feedback's one-pass encoder (CPU): x of n elements and a float32
+// residual of n -> the payload of acc = float32(x) + residual (float32
+// values) and the new residual, n float32.
+inline const char* topk_check_feedback(DType x, DType values_type, int index_bytes, int64_t n, int64_t k,
+                                       int64_t bucket, int64_t residual, int64_t indices, int64_t values,
+                                       int64_t out) {
+  if (x == DType::kOther) return kBadInputType;
+  if (residual != n || out != n) return "the residual and the new residual must have the gradient's size";
+  return topk_check_encode(DType::kF32, values_type, index_bytes, n, k, bucket, indices, values);
+}
+
 // Runs fn(W{}, I{}) with W the storage word of dt (uint32_t for float32,
 // uint16_t for the 16-bit floats) and I the index type of index_bytes.
 template <typename F>
@@ -176,6 +187,10 @@ inline void topk_with_types(DType dt, int index_bytes, const F& fn) {
 inline constexpr Target kTopkEncode{"jaxcomp_topk_encode",
                                     "k",             // total (bucket 0) or per bucket
                                     "bucket_size"};  // 0: whole tensor
+//   encode_feedback (CPU): x (flat f32/bf16/f16), residual (f32, x's length)
+//           -> indices, values (f32) of acc = float32(x) + residual, and the
+//           new residual acc - decode(payload) (f32)
+inline constexpr Target kTopkEncodeFeedback{"jaxcomp_topk_encode_feedback", "k", "bucket_size"};
 //   decode: indices, values -> flat output, the values' dtype
 inline constexpr Target kTopkDecode{"jaxcomp_topk_decode", "k", "bucket_size"};
 
