@@ -1,4 +1,5 @@
-// FP8 on the CPU: the handlers of kFp8Encode and kFp8Decode. Rounding in
+// FP8 on the CPU: the handlers of kFp8Encode, kFp8Decode and
+// kFp8EncodeFeedback. Rounding in
 // include/jaxcomp/minifloat.h, the targets, sizes and checks in
 // include/jaxcomp/fp8.h; twin in jaxcomp/codecs/fp8.py.
 #include <algorithm>
@@ -111,12 +112,79 @@ void decode(Runner& runner, DType dt, const uint8_t* codes, const float* scales,
               decode_range);
 }
 
+// Error feedback in one pass: each bucket's acc = float32(x) + residual,
+// encoded as encode_t encodes a float32 bucket, and acc minus its decoded
+// values (decode_t's table value times the step), in cache.
+struct FeedbackArgs {
+  DType dtype;
+  const void* x;
+  const float* residual;
+  int64_t n;
+  int bucket;
+  int format;
+  bool stochastic;
+  uint32_t k0, k1;
+  uint8_t* codes;
+  float* scales;
+  float* out;
+};
+
+template <int FMT, bool STOCHASTIC>
+void feedback_t(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  const int B = a.bucket;
+  const MiniFormat f = mini_format(FMT);
+  const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
+  float table[256];
+  for (uint32_t c = 0; c < 256; ++c) table[c] = mini_value(c, f);
+  std::vector<float> acc(B), hat(B);
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * B;
+    const int64_t valid = std::min<int64_t>(B, a.n - start);
+    cpu::load_sum(a.dtype, a.x, a.residual, start, valid, B, acc.data());
+    const float m = cpu::max_abs(acc.data(), B);
+    a.scales[b] = m;
+    const float inv = fp8_inv(m, f);
+    const float step = fp8_step(m, f);
+    uint8_t* out = a.codes + start;
+    const uint32_t base = static_cast<uint32_t>(start);
+    // Encode, then decode, in loops of their own (as encode_t's and decode_t's):
+    // one loop that does both vectorizes neither.
+    for (int i = 0; i < B; ++i) {
+      const float u = STOCHASTIC ? cpu::rng_uniform_k(key, base + static_cast<uint32_t>(i)) : -1.0f;
+      out[i] = static_cast<uint8_t>(mini_encode(acc[i] * inv, f, u));
+    }
+    if (step != step) {  // a NaN scale decodes to NaN (decode_t)
+      std::fill(hat.begin(), hat.begin() + valid, NAN);
+    } else {
+      for (int64_t i = 0; i < valid; ++i) hat[i] = table[out[i]] * step;
+    }
+    cpu::store_residual(acc.data(), hat.data(), start, valid, a.out);
+  }
+}
+
+JC_CPU_LOOP void feedback_range(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  if (a.format == kE5M2) {
+    if (a.stochastic) return feedback_t<kE5M2, true>(a, b0, b1);
+    return feedback_t<kE5M2, false>(a, b0, b1);
+  }
+  if (a.stochastic) return feedback_t<kE4M3, true>(a, b0, b1);
+  feedback_t<kE4M3, false>(a, b0, b1);
+}
+
+void encode_feedback(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, const uint32_t* key,
+                     uint8_t* codes, float* scales, float* out, int64_t bucket, int64_t format, int64_t stochastic) {
+  const FeedbackArgs a{dt,     x,      residual, n,      static_cast<int>(bucket), static_cast<int>(format),
+                       stochastic != 0, key[0], key[1], codes, scales, out};
+  for_buckets(runner, a, feedback_range);
+}
+
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
 using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kFp8Encode, Handlers::encode<fp8_check_encode, encode>);
 JAXCOMP_REGISTER(kFp8Decode, Handlers::decode<fp8_check_decode, decode>);
+JAXCOMP_REGISTER(kFp8EncodeFeedback, Handlers::feedback<fp8_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace jaxcomp

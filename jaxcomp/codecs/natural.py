@@ -55,6 +55,7 @@ class Natural(BucketedCodec):
     name: ClassVar[str] = "natural"
     codec_id: ClassVar[int] = 6
     seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
+    feedback_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):
