@@ -1,4 +1,4 @@
-// MX on the CPU: the handlers of kMxEncode and kMxDecode. Rounding and the
+// MX on the CPU: the handlers of kMxEncode, kMxDecode and kMxEncodeFeedback. Rounding and the
 // E8M0 scale in include/jaxcomp/minifloat.h, the targets, packing, sizes and
 // checks in include/jaxcomp/mx.h; twin in jaxcomp/codecs/mx.py.
 #include <algorithm>
@@ -369,12 +369,99 @@ void decode(Runner& runner, DType dt, const uint8_t* codes, const uint8_t* scale
   for_buckets(runner, DecodeArgs{dt, out, n, kMxBlock, static_cast<int>(format), codes, scales}, decode_range);
 }
 
+// Error feedback in one pass: each block's acc = float32(x) + residual,
+// encoded as a float32 block is (the AVX2 block path, or encode_t's loop for
+// stochastic rounding and without AVX2), decoded as decode_t decodes it, and
+// acc minus the decoded values, in registers and on the stack.
+struct FeedbackArgs {
+  DType dtype;
+  const void* x;
+  const float* residual;
+  int64_t n;
+  int bucket;  // kMxBlock (for_buckets)
+  int format;
+  bool stochastic;
+  uint32_t k0, k1;
+  uint8_t* codes;
+  uint8_t* scales;
+  float* out;
+};
+
+template <int FMT, bool STOCHASTIC, bool AVX2>
+void feedback_f(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  constexpr MiniFormat f = mini_format(FMT);
+  constexpr int bits = 1 + f.ebits + f.mbits;
+  constexpr int bytes = kMxBlock * bits / 8;
+  const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
+  float table[1 << bits];
+  for (uint32_t c = 0; c < (1u << bits); ++c) table[c] = mini_value(c, f);
+  float acc[kMxBlock], hat[kMxBlock];
+  uint8_t codes[kMxBlock];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * kMxBlock;
+    const int64_t valid = std::min<int64_t>(kMxBlock, a.n - start);
+    cpu::load_sum(a.dtype, a.x, a.residual, start, valid, kMxBlock, acc);
+    uint8_t* packed = a.codes + b * bytes;
+#if JC_CPU_AVX2
+    if (AVX2 && !STOCHASTIC) {
+      avx2::encode_block<FMT>(acc, packed, a.scales + b);
+      avx2::decode_block<FMT>(packed, a.scales[b], table, hat);
+      cpu::store_residual(acc, hat, start, valid, a.out);
+      continue;
+    }
+#endif
+    const uint32_t scale = mx_scale_code(cpu::max_abs(acc, kMxBlock), f);
+    a.scales[b] = static_cast<uint8_t>(scale);
+    const float inv = mx_inverse(scale);
+    const uint32_t base = static_cast<uint32_t>(start);
+    for (int i = 0; i < kMxBlock; ++i) {
+      const float u = STOCHASTIC ? cpu::rng_uniform_k(key, base + static_cast<uint32_t>(i)) : -1.0f;
+      codes[i] = static_cast<uint8_t>(mini_encode(acc[i] * inv, f, u));
+    }
+    mx_pack(codes, bits, packed);
+    if (scale == 0xffu) {  // the canonical NaN, whatever the codes (decode_t)
+      std::fill(hat, hat + kMxBlock, NAN);
+    } else {
+      const float hi = mx_scale_hi(scale), lo = mx_scale_lo(scale);
+      for (int i = 0; i < kMxBlock; ++i) hat[i] = (table[codes[i]] * hi) * lo;
+    }
+    cpu::store_residual(acc, hat, start, valid, a.out);
+  }
+}
+
+template <bool STOCHASTIC, bool AVX2>
+void feedback_s(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  switch (a.format) {
+    case kE5M2: return feedback_f<kE5M2, STOCHASTIC, AVX2>(a, b0, b1);
+    case kE3M2: return feedback_f<kE3M2, STOCHASTIC, AVX2>(a, b0, b1);
+    case kE2M3: return feedback_f<kE2M3, STOCHASTIC, AVX2>(a, b0, b1);
+    case kE2M1: return feedback_f<kE2M1, STOCHASTIC, AVX2>(a, b0, b1);
+    default: return feedback_f<kE4M3, STOCHASTIC, AVX2>(a, b0, b1);
+  }
+}
+
+template <bool AVX2>
+void feedback_body(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  if (a.stochastic) return feedback_s<true, AVX2>(a, b0, b1);
+  feedback_s<false, AVX2>(a, b0, b1);
+}
+
+JC_CPU_LOOP_WITH_AVX2_PATHS(feedback_range, FeedbackArgs, feedback_body)
+
+void encode_feedback(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, const uint32_t* key,
+                     uint8_t* codes, uint8_t* scales, float* out, int64_t format, int64_t stochastic) {
+  const FeedbackArgs a{dt,     x,      residual, n,      kMxBlock, static_cast<int>(format), stochastic != 0,
+                       key[0], key[1], codes,    scales, out};
+  for_buckets(runner, a, feedback_range);
+}
+
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
 using Handlers = CpuPairHandlers<ffi::U8, ffi::U8>;
 JAXCOMP_REGISTER(kMxEncode, Handlers::encode<mx_check_encode, encode>);
 JAXCOMP_REGISTER(kMxDecode, Handlers::decode<mx_check_decode, decode>);
+JAXCOMP_REGISTER(kMxEncodeFeedback, Handlers::feedback<mx_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -1,4 +1,5 @@
-// TernGrad on the CPU: the handlers of kTerngradEncode and kTerngradDecode.
+// TernGrad on the CPU: the handlers of kTerngradEncode, kTerngradDecode and
+// kTerngradEncodeFeedback.
 // The targets, bodies, sizes and checks in include/jaxcomp/terngrad.h; twin in
 // jaxcomp/codecs/terngrad.py.
 //
@@ -149,12 +150,84 @@ void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales,
   parallel_for(runner, n, kElementsPerTask, [&](int64_t e0, int64_t e1) { decode_range(a, e0, e1); });
 }
 
+// Error feedback in two passes instead of four: acc = float32(x) + residual
+// goes straight into the new residual while the scales are taken from it
+// (per bucket, in cache); then, per chunk of bytes, the digits of acc's five
+// planes are drawn, packed, decoded and subtracted from acc in place. No
+// decoded tensor is written; each element belongs to one byte, so the
+// chunks never touch each other's elements.
+struct FeedbackArgs {
+  DType dtype;
+  const void* x;
+  const float* residual;
+  int64_t n;
+  int bucket;
+  float* out;
+  float* scales;
+};
+
+JC_CPU_LOOP void acc_scales_range(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t start = b * a.bucket;
+    const int64_t valid = std::min<int64_t>(a.bucket, a.n - start);
+    float* acc = a.out + start;
+    switch (a.dtype) {
+      case DType::kBF16: {
+        const bf16_t* x = static_cast<const bf16_t*>(a.x) + start;
+        for (int64_t i = 0; i < valid; ++i) acc[i] = to_f32(x[i]) + a.residual[start + i];
+        break;
+      }
+      case DType::kF16: {
+        const f16_t* x = static_cast<const f16_t*>(a.x) + start;
+        for (int64_t i = 0; i < valid; ++i) acc[i] = to_f32(x[i]) + a.residual[start + i];
+        break;
+      }
+      default: {
+        const float* x = static_cast<const float*>(a.x) + start;
+        for (int64_t i = 0; i < valid; ++i) acc[i] = x[i] + a.residual[start + i];
+      }
+    }
+    a.scales[b] = max_abs_src(acc, valid);
+  }
+}
+
+// Bytes [i0, i1): pack_range's digits of acc, and acc minus their values.
+JC_CPU_LOOP void pack_kept_range(const EncodeArgs& a, float* acc, int64_t i0, int64_t i1) {
+  const int64_t m = base3_bytes(a.n);
+  const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
+  constexpr int64_t kChunk = 512;
+  alignas(32) uint32_t dig[5][kChunk];
+  for (int64_t c = i0; c < i1; c += kChunk) {
+    const int64_t len = std::min<int64_t>(kChunk, i1 - c);
+    for (int j = 0; j < 5; ++j) digits<float>(acc, a.n, a.bucket, a.scales, key, j * m + c, len, dig[j]);
+    uint8_t* out = a.trits + c;
+    for (int64_t i = 0; i < len; ++i) out[i] = base3_pack(dig[0][i], dig[1][i], dig[2][i], dig[3][i], dig[4][i]);
+    for (int j = 0; j < 5; ++j) {
+      const int64_t e0 = j * m + c;
+      const int64_t run = std::min<int64_t>(len, a.n - e0);
+      for (int64_t i = 0; i < run; ++i) {
+        const float hat = terngrad_value(dig[j][i], a.scales[(e0 + i) / a.bucket]);
+        acc[e0 + i] = acc[e0 + i] - canonical_nan(hat);
+      }
+    }
+  }
+}
+
+void encode_feedback(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, const uint32_t* key,
+                     uint8_t* trits, float* scales, float* out, int64_t bucket) {
+  for_buckets(runner, FeedbackArgs{dt, x, residual, n, static_cast<int>(bucket), out, scales}, acc_scales_range);
+  const EncodeArgs a{DType::kF32, out, n, static_cast<int>(bucket), key[0], key[1], trits, scales};
+  parallel_for(runner, base3_bytes(n), kElementsPerTask / 5,
+               [&](int64_t i0, int64_t i1) { pack_kept_range(a, out, i0, i1); });
+}
+
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h), the trits being the codes
 // ---------------------------------------------------------------------------
 using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kTerngradEncode, Handlers::encode<terngrad_check_encode, encode>);
 JAXCOMP_REGISTER(kTerngradDecode, Handlers::decode<check_pair_decode<terngrad_sizes>, decode>);
+JAXCOMP_REGISTER(kTerngradEncodeFeedback, Handlers::feedback<terngrad_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -47,6 +47,7 @@ class TernGrad(BucketedCodec):
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
+    feedback_kernel: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         return {

@@ -83,5 +83,8 @@ inline constexpr Target kMxEncode{"jaxcomp_mx_encode",
                                   "stochastic"};  // 1: stochastic, 0: nearest even
 //   decode: codes, scales -> flat output, the input's dtype
 inline constexpr Target kMxDecode{"jaxcomp_mx_decode", "format"};
+//   encode_feedback (CPU): x, residual (f32, x's length), seed -> codes, scales
+//           of acc = float32(x) + residual, and acc - decode (f32)
+inline constexpr Target kMxEncodeFeedback{"jaxcomp_mx_encode_feedback", "format", "stochastic"};
 
 }  // namespace jaxcomp
