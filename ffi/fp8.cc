@@ -35,6 +35,16 @@ struct DecodeArgs {
   const float* scales;
 };
 
+// The codes of one bucket of B float32 values (the zero padding included).
+template <int FMT, bool STOCHASTIC>
+inline void encode_bucket(const float* buf, int B, float inv, cpu::RngKey key, uint32_t base, uint8_t* out) {
+  const MiniFormat f = mini_format(FMT);
+  for (int i = 0; i < B; ++i) {
+    const float u = STOCHASTIC ? cpu::rng_uniform_k(key, base + static_cast<uint32_t>(i)) : -1.0f;
+    out[i] = static_cast<uint8_t>(mini_encode(buf[i] * inv, f, u));
+  }
+}
+
 // The format a compile-time constant: the rounding's shifts and limits fold.
 template <int FMT, bool STOCHASTIC>
 void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
@@ -48,13 +58,7 @@ void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
     cpu::load_any(a.dtype, a.x, start, valid, B, buf.data());
     const float m = cpu::max_abs(buf.data(), B);
     a.scales[b] = m;
-    const float inv = fp8_inv(m, f);
-    uint8_t* out = a.codes + start;
-    const uint32_t base = static_cast<uint32_t>(start);
-    for (int i = 0; i < B; ++i) {
-      const float u = STOCHASTIC ? cpu::rng_uniform_k(key, base + static_cast<uint32_t>(i)) : -1.0f;
-      out[i] = static_cast<uint8_t>(mini_encode(buf[i] * inv, f, u));
-    }
+    encode_bucket<FMT, STOCHASTIC>(buf.data(), B, fp8_inv(m, f), key, static_cast<uint32_t>(start), a.codes + start);
   }
 }
 
@@ -143,16 +147,11 @@ void feedback_t(const FeedbackArgs& a, int64_t b0, int64_t b1) {
     cpu::load_sum(a.dtype, a.x, a.residual, start, valid, B, acc.data());
     const float m = cpu::max_abs(acc.data(), B);
     a.scales[b] = m;
-    const float inv = fp8_inv(m, f);
     const float step = fp8_step(m, f);
     uint8_t* out = a.codes + start;
-    const uint32_t base = static_cast<uint32_t>(start);
     // Encode, then decode, in loops of their own (as encode_t's and decode_t's):
     // one loop that does both vectorizes neither.
-    for (int i = 0; i < B; ++i) {
-      const float u = STOCHASTIC ? cpu::rng_uniform_k(key, base + static_cast<uint32_t>(i)) : -1.0f;
-      out[i] = static_cast<uint8_t>(mini_encode(acc[i] * inv, f, u));
-    }
+    encode_bucket<FMT, STOCHASTIC>(acc.data(), B, fp8_inv(m, f), key, static_cast<uint32_t>(start), out);
     if (step != step) {  // a NaN scale decodes to NaN (decode_t)
       std::fill(hat.begin(), hat.begin() + valid, NAN);
     } else {

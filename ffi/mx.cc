@@ -219,6 +219,18 @@ JC_AVX2 inline void decode_block(const uint8_t* in, uint32_t scale, const float*
 }  // namespace avx2
 #endif
 
+// Runs fn(std::integral_constant<int, FMT>{}) for the element format.
+template <typename F>
+inline void with_format(int format, const F& fn) {
+  switch (format) {
+    case kE5M2: return fn(std::integral_constant<int, kE5M2>{});
+    case kE3M2: return fn(std::integral_constant<int, kE3M2>{});
+    case kE2M3: return fn(std::integral_constant<int, kE2M3>{});
+    case kE2M1: return fn(std::integral_constant<int, kE2M1>{});
+    default: return fn(std::integral_constant<int, kE4M3>{});
+  }
+}
+
 // The format a compile-time constant: the rounding's shifts and limits fold.
 template <int FMT, bool STOCHASTIC>
 void encode_t(const EncodeArgs& a, int64_t b0, int64_t b1) {
@@ -260,13 +272,7 @@ void encode_f(const EncodeArgs& a, int64_t b0, int64_t b1) {
 
 template <bool STOCHASTIC, bool AVX2>
 void encode_s(const EncodeArgs& a, int64_t b0, int64_t b1) {
-  switch (a.format) {
-    case kE5M2: return encode_f<kE5M2, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE3M2: return encode_f<kE3M2, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE2M3: return encode_f<kE2M3, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE2M1: return encode_f<kE2M1, STOCHASTIC, AVX2>(a, b0, b1);
-    default: return encode_f<kE4M3, STOCHASTIC, AVX2>(a, b0, b1);
-  }
+  with_format(a.format, [&](auto fmt) { encode_f<decltype(fmt)::value, STOCHASTIC, AVX2>(a, b0, b1); });
 }
 
 template <bool AVX2>
@@ -353,13 +359,7 @@ void decode_f(const DecodeArgs& a, int64_t b0, int64_t b1) {
 
 template <bool AVX2>
 void decode_body(const DecodeArgs& a, int64_t b0, int64_t b1) {
-  switch (a.format) {
-    case kE5M2: return decode_f<kE5M2, AVX2>(a, b0, b1);
-    case kE3M2: return decode_f<kE3M2, AVX2>(a, b0, b1);
-    case kE2M3: return decode_f<kE2M3, AVX2>(a, b0, b1);
-    case kE2M1: return decode_f<kE2M1, AVX2>(a, b0, b1);
-    default: return decode_f<kE4M3, AVX2>(a, b0, b1);
-  }
+  with_format(a.format, [&](auto fmt) { decode_f<decltype(fmt)::value, AVX2>(a, b0, b1); });
 }
 
 JC_CPU_LOOP_WITH_AVX2_PATHS(decode_range, DecodeArgs, decode_body)
@@ -431,13 +431,7 @@ void feedback_f(const FeedbackArgs& a, int64_t b0, int64_t b1) {
 
 template <bool STOCHASTIC, bool AVX2>
 void feedback_s(const FeedbackArgs& a, int64_t b0, int64_t b1) {
-  switch (a.format) {
-    case kE5M2: return feedback_f<kE5M2, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE3M2: return feedback_f<kE3M2, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE2M3: return feedback_f<kE2M3, STOCHASTIC, AVX2>(a, b0, b1);
-    case kE2M1: return feedback_f<kE2M1, STOCHASTIC, AVX2>(a, b0, b1);
-    default: return feedback_f<kE4M3, STOCHASTIC, AVX2>(a, b0, b1);
-  }
+  with_format(a.format, [&](auto fmt) { feedback_f<decltype(fmt)::value, STOCHASTIC, AVX2>(a, b0, b1); });
 }
 
 template <bool AVX2>

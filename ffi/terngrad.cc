@@ -86,21 +86,25 @@ void digits(const T* x, int64_t n, int B, const float* scales, cpu::RngKey key, 
   }
 }
 
+// Bytes [c, c + len) of the base-3^5 stream of m bytes, their digits in dig.
+constexpr int64_t kPackChunk = 512;
+template <typename T>
+void pack_chunk(const EncodeArgs& a, const T* x, cpu::RngKey key, int64_t m, int64_t c, int64_t len,
+                uint32_t (*dig)[kPackChunk]) {
+  for (int j = 0; j < 5; ++j) digits<T>(x, a.n, a.bucket, a.scales, key, j * m + c, len, dig[j]);
+  uint8_t* out = a.trits + c;
+  for (int64_t i = 0; i < len; ++i) out[i] = base3_pack(dig[0][i], dig[1][i], dig[2][i], dig[3][i], dig[4][i]);
+}
+
 // Bytes [i0, i1) of the base-3^5 stream.
 JC_CPU_LOOP void pack_range(const EncodeArgs& a, int64_t i0, int64_t i1) {
   with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
-    const T* x = static_cast<const T*>(a.x);
     const int64_t m = base3_bytes(a.n);
-    const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
-    constexpr int64_t kChunk = 512;
-    alignas(32) uint32_t dig[5][kChunk];
-    for (int64_t c = i0; c < i1; c += kChunk) {
-      const int64_t len = std::min<int64_t>(kChunk, i1 - c);
-      for (int j = 0; j < 5; ++j) digits<T>(x, a.n, a.bucket, a.scales, key, j * m + c, len, dig[j]);
-      uint8_t* out = a.trits + c;
-      for (int64_t i = 0; i < len; ++i) out[i] = base3_pack(dig[0][i], dig[1][i], dig[2][i], dig[3][i], dig[4][i]);
-    }
+    alignas(32) uint32_t dig[5][kPackChunk];
+    for (int64_t c = i0; c < i1; c += kPackChunk)
+      pack_chunk<T>(a, static_cast<const T*>(a.x), cpu::rng_key(a.k0, a.k1), m, c,
+                    std::min<int64_t>(kPackChunk, i1 - c), dig);
   });
 }
 
@@ -195,13 +199,10 @@ JC_CPU_LOOP void acc_scales_range(const FeedbackArgs& a, int64_t b0, int64_t b1)
 JC_CPU_LOOP void pack_kept_range(const EncodeArgs& a, float* acc, int64_t i0, int64_t i1) {
   const int64_t m = base3_bytes(a.n);
   const cpu::RngKey key = cpu::rng_key(a.k0, a.k1);
-  constexpr int64_t kChunk = 512;
-  alignas(32) uint32_t dig[5][kChunk];
-  for (int64_t c = i0; c < i1; c += kChunk) {
-    const int64_t len = std::min<int64_t>(kChunk, i1 - c);
-    for (int j = 0; j < 5; ++j) digits<float>(acc, a.n, a.bucket, a.scales, key, j * m + c, len, dig[j]);
-    uint8_t* out = a.trits + c;
-    for (int64_t i = 0; i < len; ++i) out[i] = base3_pack(dig[0][i], dig[1][i], dig[2][i], dig[3][i], dig[4][i]);
+  alignas(32) uint32_t dig[5][kPackChunk];
+  for (int64_t c = i0; c < i1; c += kPackChunk) {
+    const int64_t len = std::min<int64_t>(kPackChunk, i1 - c);
+    pack_chunk<float>(a, acc, key, m, c, len, dig);
     for (int j = 0; j < 5; ++j) {
       const int64_t e0 = j * m + c;
       const int64_t run = std::min<int64_t>(len, a.n - e0);
