@@ -204,11 +204,15 @@ JC_CPU_LOOP void pack_kept_range(const EncodeArgs& a, float* acc, int64_t i0, in
     const int64_t len = std::min<int64_t>(kPackChunk, i1 - c);
     pack_chunk<float>(a, acc, key, m, c, len, dig);
     for (int j = 0; j < 5; ++j) {
-      const int64_t e0 = j * m + c;
-      const int64_t run = std::min<int64_t>(len, a.n - e0);
-      for (int64_t i = 0; i < run; ++i) {
-        const float hat = terngrad_value(dig[j][i], a.scales[(e0 + i) / a.bucket]);
-        acc[e0 + i] = acc[e0 + i] - canonical_nan(hat);
+      // Runs inside one bucket: one scale each, a loop that vectorizes.
+      const int64_t e0 = j * m + c, e1 = std::min<int64_t>(e0 + len, a.n);
+      for (int64_t e = e0; e < e1;) {
+        const int64_t run = std::min<int64_t>(e1, (e / a.bucket + 1) * a.bucket) - e;
+        const float s = a.scales[e / a.bucket];
+        const uint32_t* d = dig[j] + (e - e0);
+        float* v = acc + e;
+        for (int64_t i = 0; i < run; ++i) v[i] = v[i] - canonical_nan(terngrad_value(d[i], s));
+        e += run;
       }
     }
   }
