@@ -24,6 +24,8 @@ import jaxcomp as jc
 KEY = jax.random.key(7)
 needs_ffi = pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not built")
 FUSED = [c for c in CONTRACT_CODECS if c.feedback_kernel]
+# The first configuration of each codec class (its users' default).
+FIRST_OF_CLASS = {type(c): c for c in reversed(FUSED)}
 
 
 @functools.partial(jax.jit, static_argnames=("codec", "backend"))
@@ -64,16 +66,21 @@ def test_every_codec_gives_the_three_calls_bytes(codec):
 def test_the_fused_kernel_gives_the_kernels_and_the_twins_bytes(codec):
     """The one-pass kernel against the separate kernels and against the
     twins: one element, a bucket edge, a partial last bucket, and enough
-    buckets to spread over the kernel's threads, each input dtype."""
+    buckets to spread over the kernel's threads, each input dtype. (With
+    ``backend="xla"`` encode_feedback is the twins' three calls, which
+    the second check runs.) The other configurations of a codec take two
+    of the cases: a bucket edge, and the partial last bucket of a tensor
+    spread over the threads."""
     g = codec.split_granularity() or 64
     cases = [(1, "float32"), (g + 1, "float16"), (4099, "float32"), (3 * 65536 + 13, "bfloat16")]
+    if FIRST_OF_CLASS[type(codec)] is not codec:
+        cases = cases[1::2]
     for n, dtype in cases:
         x = gradient_like(n, seed=n, dtype=dtype)
         res = residual_like(n, n + 1)
         key = jax.random.fold_in(KEY, n)
         check_same(codec, x, res, key, "ffi", "ffi", f"{dtype} n={n} vs kernels")
         check_same(codec, x, res, key, "ffi", "xla", f"{dtype} n={n} vs twins")
-        check_same(codec, x, res, key, "xla", "xla", f"{dtype} n={n} twin path")
 
 
 @needs_ffi
