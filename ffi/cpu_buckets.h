@@ -50,6 +50,22 @@ inline void store_any(DType t, const float* buf, int64_t start, int64_t valid, v
   }
 }
 
+// acc = float32(x) + residual over elements [i0, i1), written at out + i0
+// (one float32 add per element): the input of error feedback's compression
+// where it goes straight into the new residual (TopK, TernGrad).
+template <typename T>
+inline void sum_into(const T* x, const float* residual, int64_t i0, int64_t i1, float* out) {
+  for (int64_t i = i0; i < i1; ++i) out[i] = to_f32(x[i]) + residual[i];
+}
+
+inline void sum_range(DType t, const void* x, const float* residual, int64_t i0, int64_t i1, float* out) {
+  switch (t) {
+    case DType::kBF16: return sum_into(static_cast<const bf16_t*>(x), residual, i0, i1, out);
+    case DType::kF16: return sum_into(static_cast<const f16_t*>(x), residual, i0, i1, out);
+    default: return sum_into(static_cast<const float*>(x), residual, i0, i1, out);
+  }
+}
+
 // acc = float32(x) + residual over one bucket (one float32 add per element),
 // zero past the tensor's end: the input of error feedback's compression.
 inline void load_sum(DType t, const void* x, const float* residual, int64_t start, int64_t valid, int B,

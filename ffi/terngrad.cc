@@ -160,38 +160,15 @@ void decode(Runner& runner, DType dt, const uint8_t* trits, const float* scales,
 // planes are drawn, packed, decoded and subtracted from acc in place. No
 // decoded tensor is written; each element belongs to one byte, so the
 // chunks never touch each other's elements.
-struct FeedbackArgs {
-  DType dtype;
-  const void* x;
-  const float* residual;
-  int64_t n;
-  int bucket;
-  float* out;
-  float* scales;
-};
+using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;  // trits, scales
 
-JC_CPU_LOOP void acc_scales_range(const FeedbackArgs& a, int64_t b0, int64_t b1) {
+// The first pass: acc into the new residual, and each bucket's scale from it.
+JC_CPU_LOOP void acc_scales_range(const Handlers::FeedbackArgs& a, int64_t b0, int64_t b1) {
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t start = b * a.bucket;
     const int64_t valid = std::min<int64_t>(a.bucket, a.n - start);
-    float* acc = a.out + start;
-    switch (a.dtype) {
-      case DType::kBF16: {
-        const bf16_t* x = static_cast<const bf16_t*>(a.x) + start;
-        for (int64_t i = 0; i < valid; ++i) acc[i] = to_f32(x[i]) + a.residual[start + i];
-        break;
-      }
-      case DType::kF16: {
-        const f16_t* x = static_cast<const f16_t*>(a.x) + start;
-        for (int64_t i = 0; i < valid; ++i) acc[i] = to_f32(x[i]) + a.residual[start + i];
-        break;
-      }
-      default: {
-        const float* x = static_cast<const float*>(a.x) + start;
-        for (int64_t i = 0; i < valid; ++i) acc[i] = x[i] + a.residual[start + i];
-      }
-    }
-    a.scales[b] = max_abs_src(acc, valid);
+    cpu::sum_range(a.dtype, a.x, a.residual, start, start + valid, a.out);
+    a.side[b] = max_abs_src(a.out + start, valid);
   }
 }
 
@@ -220,7 +197,8 @@ JC_CPU_LOOP void pack_kept_range(const EncodeArgs& a, float* acc, int64_t i0, in
 
 void encode_feedback(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, const uint32_t* key,
                      uint8_t* trits, float* scales, float* out, int64_t bucket) {
-  for_buckets(runner, FeedbackArgs{dt, x, residual, n, static_cast<int>(bucket), out, scales}, acc_scales_range);
+  for_buckets(runner, Handlers::FeedbackArgs{dt, x, residual, n, static_cast<int>(bucket), trits, scales, out},
+              acc_scales_range);
   const EncodeArgs a{DType::kF32, out, n, static_cast<int>(bucket), key[0], key[1], trits, scales};
   parallel_for(runner, base3_bytes(n), kElementsPerTask / 5,
                [&](int64_t i0, int64_t i1) { pack_kept_range(a, out, i0, i1); });
@@ -229,7 +207,6 @@ void encode_feedback(Runner& runner, DType dt, const void* x, const float* resid
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h), the trits being the codes
 // ---------------------------------------------------------------------------
-using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kTerngradEncode, Handlers::encode<terngrad_check_encode, encode>);
 JAXCOMP_REGISTER(kTerngradDecode, Handlers::decode<check_pair_decode<terngrad_sizes>, decode>);
 JAXCOMP_REGISTER(kTerngradEncodeFeedback, Handlers::feedback<terngrad_check_encode, encode_feedback>);

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_buckets.h"
 #include "cpu_runtime.h"
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -442,19 +443,6 @@ void decode(Runner& runner, const I* idx, const W* val, int64_t entries, int64_t
 // float32 words; each chosen element's new residual is then acc - acc, what
 // acc - decode(payload) is there (0; NaN for an infinity or a NaN), and every
 // other element keeps acc (acc - 0). No decoded tensor is written.
-template <typename T>
-void acc_into(const T* x, const float* residual, int64_t i0, int64_t i1, float* out) {
-  for (int64_t i = i0; i < i1; ++i) out[i] = to_f32(x[i]) + residual[i];
-}
-
-inline void acc_any(DType dt, const void* x, const float* residual, int64_t i0, int64_t i1, float* out) {
-  switch (dt) {
-    case DType::kBF16: return acc_into(static_cast<const bf16_t*>(x), residual, i0, i1, out);
-    case DType::kF16: return acc_into(static_cast<const f16_t*>(x), residual, i0, i1, out);
-    default: return acc_into(static_cast<const float*>(x), residual, i0, i1, out);
-  }
-}
-
 // A chosen element's new residual: acc - decoded, where decoded is acc.
 inline float chosen_kept(uint32_t word) {
   const float a = bits_f32(word);
@@ -471,7 +459,7 @@ void feedback_buckets(Runner& runner, DType dt, const void* x, const float* resi
     std::vector<uint32_t> words(bucket), keys(bucket), cand(bucket);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t start = b * bucket, len = std::min(bucket, n - start);
-      acc_any(dt, x, residual, start, start + len, out);
+      cpu::sum_range(dt, x, residual, start, start + len, out);
       std::memcpy(words.data(), out + start, static_cast<size_t>(len) * sizeof(float));
       I* ib = idx + b * k;
       uint32_t* vb = val + b * k;
@@ -487,7 +475,7 @@ template <typename I>
 void feedback_whole(Runner& runner, DType dt, const void* x, const float* residual, int64_t n, int64_t k, I* idx,
                     uint32_t* val, float* out) {
   parallel_for(runner, n, kElementsPerTask,
-               [&](int64_t i0, int64_t i1) { acc_any(dt, x, residual, i0, i1, out); });
+               [&](int64_t i0, int64_t i1) { cpu::sum_range(dt, x, residual, i0, i1, out); });
   select_whole<uint32_t, I>(runner, reinterpret_cast<const uint32_t*>(out), n, k, idx, val);
   parallel_for(runner, k, kElementsPerTask, [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) out[static_cast<int64_t>(idx[j])] = chosen_kept(val[j]);
