@@ -44,13 +44,20 @@ namespace jaxcomp {
 #define JC_CPU_AVX2 1
 #define JC_CPU_LOOP __attribute__((target_clones("avx2", "default"), flatten))
 #define JC_AVX2 __attribute__((target("avx2")))
+// The two versions are name##_versions; name itself is a plain function that
+// calls them, so that the loops' address can be taken (passed to the
+// thread pool): GCC at -O0 leaves the address of a multiversioned function
+// of internal linkage unresolved at link time.
 #define JC_CPU_LOOP_WITH_AVX2_PATHS(name, Args, body)                                                 \
-  __attribute__((target("avx2"), flatten)) void name(const Args& a, int64_t i0, int64_t i1) {         \
+  __attribute__((target("avx2"), flatten)) void name##_versions(const Args& a, int64_t i0,           \
+                                                                int64_t i1) {                         \
     body<true>(a, i0, i1);                                                                            \
   }                                                                                                   \
-  __attribute__((target("default"), flatten)) void name(const Args& a, int64_t i0, int64_t i1) {      \
+  __attribute__((target("default"), flatten)) void name##_versions(const Args& a, int64_t i0,        \
+                                                                   int64_t i1) {                      \
     body<false>(a, i0, i1);                                                                           \
-  }
+  }                                                                                                   \
+  void name(const Args& a, int64_t i0, int64_t i1) { name##_versions(a, i0, i1); }
 #else
 #define JC_CPU_AVX2 0
 #define JC_CPU_LOOP
