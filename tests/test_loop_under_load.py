@@ -9,8 +9,14 @@ on the CPU, jc.data_parallel therefore keeps one step in flight
 (``max_in_flight="auto"``). These tests run that loop, unchanged but for
 its number of steps, in a subprocess while busy loops occupy every core.
 
-The reproduction of the abort without the bound is opt-in, because it needs
-the 40 s timeout to run out and does not happen every time:
+Both are opt-in. The loop with the bound, ``JAXCOMP_LOAD_TESTS=1 pytest -m
+slow tests/test_loop_under_load.py``: on the machines where the abort was
+looked for (docs/training-loop.md) it never came, even without the bound,
+so there it checks only that the loop trains, which
+tests/test_training_loop_doc.py checks without the load, and its busy
+loops cost every test beside it. The reproduction of the abort without
+the bound, because it needs the 40 s timeout to run out and does not
+happen every time:
 ``JAXCOMP_REPRODUCE_ABORT=1 pytest -m slow tests/test_loop_under_load.py``.
 """
 
@@ -79,6 +85,10 @@ def _run(program: str, directory: pathlib.Path, timeout: float) -> subprocess.Co
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("JAXCOMP_LOAD_TESTS") != "1",
+    reason="opt-in: JAXCOMP_LOAD_TESTS=1 (busy loops on every core; no abort seen here)",
+)
 def test_documented_loop_runs_on_a_busy_machine(tmp_path):
     """200 steps with every core busy: no abort, and the loop trains (the
     page's example ends near 0.01 after 200 steps; it starts near 0.43).
