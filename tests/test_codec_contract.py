@@ -144,6 +144,37 @@ def test_jit_eager_and_vmap_agree(codec):
             assert_same_bytes(ys[i], decode(one, "xla"), f"{backend} decode {i}")
 
 
+@needs_ffi
+@pytest.mark.parametrize("name", ["qsgd", "threelc", "topk"])
+def test_a_program_exported_for_cpu_and_cuda_runs_the_kernel_on_the_cpu(name):
+    """A kernel call lowers one branch per platform (the twin traced only
+    then): exported for the CPU and CUDA from this CPU-only process, the
+    module holds the CPU kernel and the twin's ops, and run here it gives
+    the kernel's bytes. The same program lowered for the CPU alone holds no
+    conditional."""
+    codec = jc.codecs.get(name)
+    x = gradient_like(3001, seed=3)
+
+    def f(x, key):
+        p = codec.encode(x, key)
+        return (*p.arrays.values(), codec.decode(p))
+
+    # The kernels are this project's, not ones with JAX's compatibility promise.
+    checks = [
+        jax.export.DisabledSafetyCheck.custom_call(f"jaxcomp_{name}_{op}")
+        for op in ("encode", "decode")
+    ]
+    exported = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"), disabled_checks=checks)(
+        x, KEY
+    )
+    text = exported.mlir_module()
+    assert f"jaxcomp_{name}_encode" in text and "stablehlo.case" in text
+    for got, want in zip(exported.call(x, KEY), f(x, KEY), strict=True):
+        assert_same_bytes(got, want, f"{name} exported")
+    cpu_only = jax.jit(f).lower(x, KEY).as_text()
+    assert f"jaxcomp_{name}_encode" in cpu_only and "stablehlo.case" not in cpu_only
+
+
 # ---------------------------------------------------------------------------
 # Special values, keys, static config
 # ---------------------------------------------------------------------------

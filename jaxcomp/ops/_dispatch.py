@@ -7,6 +7,16 @@ platform without one); "auto" runs the kernel on platforms that have one and
 the twin elsewhere (TPU, a GPU build without CUDA); "fused" runs the kernel
 on the CPU and the twin elsewhere, where XLA fuses the twin into what
 consumes its result (the collectives decode with it).
+
+Under a trace the choice is one primitive, ``jaxcomp_platform_call``, with
+a lowering rule per platform: each lowers its own branch (the kernel's
+custom call, or the twin traced then), so a program lowered for the CPU
+never traces the twin and holds no conditional, and a program exported
+for several platforms gets one branch per platform, as
+``lax.platform_dependent`` would give it. ``lax.platform_dependent``
+itself traces every branch at once and lowers a conditional around each
+call: tracing and compiling them took 14-25% of the test suite's time
+(docs/benchmarks.md, "CI"), time every user's step spent as well.
 """
 
 from __future__ import annotations
@@ -18,6 +28,8 @@ from typing import TypeVar
 import jax
 import numpy as np
 from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
 
 from jaxcomp._ffi import Backend, cpu_available, cuda_available, kernels_line, resolve_backend
 
@@ -81,14 +93,72 @@ def dispatch(
         # Nothing to compute; the twin handles empty shapes without a custom call.
         return tuple(twin(*args))
     fused = backend in (Backend.FUSED, Backend.FUSED_FFI)
-    return tuple(
-        lax.platform_dependent(
-            *args,
-            cpu=kernel if cpu or required else twin,
-            cuda=kernel if cuda and not fused else twin,
-            default=twin,
+    on_cpu = kernel if cpu or required else twin
+    on_cuda = kernel if cuda and not fused else twin
+    if on_cpu is twin and on_cuda is twin:
+        return tuple(twin(*args))
+    if not any(isinstance(a, jax.core.Tracer) for a in args):
+        # Eagerly, only the default platform's branch runs.
+        return tuple(lax.platform_dependent(*args, cpu=on_cpu, cuda=on_cuda, default=twin))
+    # The kernel's result types (a custom call and its varying-axes casts:
+    # a cheap trace); the branches are traced again, each where lowered.
+    out_avals = tuple(jax.make_jaxpr(lambda *a: tuple(kernel(*a)))(*args).out_avals)
+    return tuple(_call_p.bind(*args, cpu=on_cpu, cuda=on_cuda, default=twin, out_avals=out_avals))
+
+
+# A kernel call or its twin, per platform (dispatch): the operands, the
+# branches for "cpu", "cuda" and the rest, and the results' types.
+_call_p = Primitive("jaxcomp_platform_call")
+_call_p.multiple_results = True
+_call_p.def_abstract_eval(lambda *avals, out_avals, **branches: out_avals)
+
+
+def _call_impl(*args, cpu, cuda, default, out_avals):
+    return tuple(lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default))
+
+
+_call_p.def_impl(_call_impl)
+
+
+def _lowering(platform: str | None):
+    def rule(ctx, *args, cpu, cuda, default, out_avals):
+        fn = {"cpu": cpu, "cuda": cuda}.get(platform, default)
+        return mlir.lower_fun(lambda *a: tuple(fn(*a)), multiple_results=True)(ctx, *args)
+
+    return rule
+
+
+mlir.register_lowering(_call_p, _lowering(None))
+for _platform in ("cpu", "cuda"):
+    mlir.register_lowering(_call_p, _lowering(_platform), platform=_platform)
+
+
+def _batched(args, dims, *, cpu, cuda, default, out_avals):
+    # Batched, each branch vmapped; still traced only where it is lowered.
+    unbatched = getattr(batching, "not_mapped", None)  # None in newer JAX
+    axes = tuple(None if d is unbatched else d for d in dims)
+    size = next(a.shape[d] for a, d in zip(args, axes, strict=True) if d is not None)
+
+    def vmapped(fn):
+        return lambda *xs: tuple(jax.vmap(lambda *ys: tuple(fn(*ys)), in_axes=axes)(*xs))
+
+    fns = {id(fn): vmapped(fn) for fn in (cpu, cuda, default)}  # identical branches stay so
+    try:  # the result types with the batch axis in front (not public API)
+        from jax._src import core
+
+        avals = tuple(core.unmapped_aval(size, 0, a) for a in out_avals)
+    except Exception:  # another JAX: every branch is traced now
+        outs = lax.platform_dependent(
+            *args, cpu=fns[id(cpu)], cuda=fns[id(cuda)], default=fns[id(default)]
         )
+        return list(outs), [0] * len(out_avals)
+    outs = _call_p.bind(
+        *args, cpu=fns[id(cpu)], cuda=fns[id(cuda)], default=fns[id(default)], out_avals=avals
     )
+    return outs, [0] * len(avals)
+
+
+batching.primitive_batchers[_call_p] = _batched
 
 
 def choose_path(
