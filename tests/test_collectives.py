@@ -655,3 +655,37 @@ def test_codec_as_spec_string(mesh):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(TypeError, match="spec string"):
         _run(mesh, 4, "auto", x)
+
+
+@pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not built")
+@pytest.mark.parametrize(
+    "codec, alg",
+    [(jc.codecs.QSGD(bits=4, bucket_size=64), "two_phase"), (jc.codecs.OneBit(), "ring")],
+    ids=["qsgd-two_phase", "onebit-ring"],
+)
+def test_exported_for_cpu_and_cuda_gives_the_same_bytes(codec, alg):
+    """A compressed psum under shard_map (typed varying axes checked),
+    exported for the CPU and CUDA from this CPU-only process: the CUDA
+    branch traces the twins when it is lowered, inside the shard_map, and
+    run here the export gives the bytes of the program compiled for the
+    CPU alone. (3LC's twins are left out: XLA:CPU fails a check compiling
+    their CUDA branch, before and after kernel calls became one primitive.)"""
+    mesh = jax.make_mesh(
+        (4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
+
+    def f(x, k):
+        r = jcc.psum(x[0], "data", codec, key=k, algorithm=alg)
+        return r.value[None], r.sent[None]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"), P()), out_specs=(P("data"),) * 2))
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(3), (4, 3001)),
+        jax.sharding.NamedSharding(mesh, P("data")),
+    )
+    key = jax.device_put(KEY, jax.sharding.NamedSharding(mesh, P()))
+    targets = set(re.findall(r"@(jaxcomp_\w+)", g.lower(x, key).as_text()))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in sorted(targets)]
+    exported = jax.export.export(g, platforms=("cpu", "cuda"), disabled_checks=checks)(x, key)
+    for got, want in zip(exported.call(x, key), g(x, key), strict=True):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
