@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import long_scan_options
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -65,9 +66,7 @@ def run(mesh, tx, steps, state=None, t0=0, grads=grads_at):
         return lax.scan(one, state, t0 + jnp.arange(steps))
 
     f = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()), check_vma=False)
-    # A long scan is compiled at XLA's default level, as test_optax's.
-    options = {"xla_backend_optimization_level": 3} if steps >= 200 else None
-    state, (updates, mus) = jax.jit(f, compiler_options=options)(state)
+    state, (updates, mus) = jax.jit(f, compiler_options=long_scan_options(steps))(state)
     return state, updates, mus
 
 

@@ -147,11 +147,11 @@ def test_jit_eager_and_vmap_agree(codec):
 @needs_ffi
 @pytest.mark.parametrize("name", ["qsgd", "threelc", "topk"])
 def test_a_program_exported_for_cpu_and_cuda_runs_the_kernel_on_the_cpu(name):
-    """A kernel call lowers one branch per platform (the twin traced only
-    then): exported for the CPU and CUDA from this CPU-only process, the
-    module holds the CPU kernel and the twin's ops, and run here it gives
-    the kernel's bytes. The same program lowered for the CPU alone holds no
-    conditional."""
+    """A kernel call lowers one branch per platform (a twin traced only
+    then): exported for the CPU and CUDA, the module holds the CPU kernel
+    and the CUDA branch (the twin where no CUDA kernels are built, as on a
+    CPU-only machine), and run on the CPU it gives the kernel's bytes. The
+    same program lowered for the CPU alone holds no conditional."""
     codec = jc.codecs.get(name)
     x = gradient_like(3001, seed=3)
 

@@ -665,10 +665,10 @@ def test_codec_as_spec_string(mesh):
 )
 def test_exported_for_cpu_and_cuda_gives_the_same_bytes(codec, alg):
     """A compressed psum under shard_map (typed varying axes checked),
-    exported for the CPU and CUDA from this CPU-only process: the CUDA
-    branch traces the twins when it is lowered, inside the shard_map, and
-    run here the export gives the bytes of the program compiled for the
-    CPU alone. (3LC's twins are left out: XLA:CPU fails a check compiling
+    exported for the CPU and CUDA: where no CUDA kernels are built (a
+    CPU-only machine) the CUDA branch traces the twins when it is lowered,
+    inside the shard_map; run on the CPU the export gives the bytes of the
+    program compiled for the CPU alone. (3LC's twins are left out: XLA:CPU fails a check compiling
     their CUDA branch, before and after kernel calls became one primitive.)"""
     mesh = jax.make_mesh(
         (4,), ("data",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import long_scan_options
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -151,13 +152,6 @@ def make_tx(codec, axis=AXIS, **kw):
     return jc.optax.compress_gradients(codec, axis, **kw)
 
 
-# A scan of hundreds of steps runs long enough that XLA's optimizations pay
-# for their compile time, where the suite's smaller programs (compiled at
-# level 0 in CI: docs/benchmarks.md, "CI") do not: the 1,000-step
-# conservation case takes 7.7 s at the default level against 13.7 s at 0.
-LONG_SCAN = {"xla_backend_optimization_level": 3}
-
-
 def scan_updates(mesh, tx, steps, state=None, t0=0):
     """Runs ``steps`` updates of ``tx`` on every device (gradients from
     grads_at) in one lax.scan under shard_map; returns (state, updates
@@ -181,7 +175,7 @@ def scan_updates(mesh, tx, steps, state=None, t0=0):
         jax.shard_map(
             body, mesh=mesh, in_specs=(specs,), out_specs=(specs, P(), P()), check_vma=False
         ),
-        compiler_options=LONG_SCAN if steps >= 500 else None,
+        compiler_options=long_scan_options(steps),
     )
     return f(state)
 
