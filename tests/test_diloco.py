@@ -326,7 +326,30 @@ def _collectives_outside_synchronization(hlo: str) -> tuple[set, set]:
 _ITEMSIZE = {"u8": 1, "s8": 1, "f32": 4, "u32": 4, "s32": 4, "bf16": 2, "f16": 2}
 
 
-def _operand(line: str) -> tuple[frozenset, str, int]:
+def _group_axes(line: str, mesh) -> frozenset:
+    """The mesh axes that a collective's replica groups span. XLA prints the
+    groups as mesh axes (``replica_groups=mesh[...] {'data'}``: the Shardy
+    partitioner) or as device ids, listed (``{{0,2},{1,3}}``) or as an iota
+    (``[2,2]<=[2,2]T(1,0)``: the GSPMD partitioner, which the suite uses on
+    jax 0.11); the ids index the mesh's devices in row-major order."""
+    m = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line)
+    if m:
+        return frozenset(re.findall(r"'(\w+)'", m.group(1)))
+    m = re.search(r"replica_groups=\{(\{[\d,{}]*\})\}", line)
+    if m:
+        groups = [[int(i) for i in g.split(",")] for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+    else:
+        m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
+        shape, dims = [[int(i) for i in g.split(",")] for g in m.groups()[:2]]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(3):
+            ids = ids.transpose([int(i) for i in m.group(3).split(",")])
+        groups = ids.reshape(shape).tolist()
+    coords = np.unravel_index(groups[0], tuple(mesh.shape.values()))
+    return frozenset(a for a, c in zip(mesh.axis_names, coords, strict=True) if len(set(c)) > 1)
+
+
+def _operand(line: str, mesh) -> tuple[frozenset, str, int]:
     """(mesh axes of the replica groups, kind, operand bytes per device) of a
     collective of compiled HLO."""
     m = _COLLECTIVE.search(line)
@@ -336,10 +359,9 @@ def _operand(line: str) -> tuple[frozenset, str, int]:
         _ITEMSIZE[t] * int(np.prod([int(d) for d in dims.split(",") if d]))
         for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", result)
     )
-    axes = re.search(r"replica_groups=mesh\[[^\]]*\] \{([^}]*)\}", line).group(1)
     if kind == "all-gather":  # the result holds both devices' operands
         nbytes //= 2
-    return frozenset(re.findall(r"'(\w+)'", axes)), kind, nbytes
+    return _group_axes(line, mesh), kind, nbytes
 
 
 @pytest.mark.parametrize("codec, fragments", [(None, 1), ("int8", 2)])
@@ -393,10 +415,10 @@ def test_two_level_mesh_compresses_only_the_slow_axis():
     hlo = step.lower(params, state, *data(0)).compile().as_text()
     n = 24 * 8 + 8 + 700
     outside = _collective_lines(hlo, False)
-    every_step = [_operand(line) for line in outside]
+    every_step = [_operand(line, mesh) for line in outside]
     assert every_step and all(g == {"data"} and k == "all-reduce" for g, k, _ in every_step)
     assert sum(b for *_, b in every_step) == 4 * n  # the float32 gradients
-    sync = [_operand(line) for line in _collective_lines(hlo, True) if line not in outside]
+    sync = [_operand(line, mesh) for line in _collective_lines(hlo, True) if line not in outside]
     assert sync and all(g == {"replica"} for g, *_ in sync)
     sent: dict[str, int] = {}
     for _, kind, b in sync:
