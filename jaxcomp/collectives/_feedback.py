@@ -21,6 +21,7 @@ from jax import lax
 
 from jaxcomp.codecs.base import Codec
 from jaxcomp.collectives._decode import decode_own
+from jaxcomp.ops._dispatch import platform_dependent
 from jaxcomp.payload import Payload
 
 
@@ -41,23 +42,26 @@ def compress_kept(
     ``x`` is flat, in ``dtype`` or float32; ``kept`` a float32 residual of
     its length; the float32 sum is compressed in ``dtype`` (the tensor's).
     With :func:`one_pass`, ``Codec.encode_feedback`` on the CPU and the
-    separate calls on other platforms (``lax.platform_dependent``); the
+    separate calls on other platforms (one primitive lowered per platform,
+    ``jaxcomp.ops._dispatch.platform_dependent``); the
     bits are the same either way on the CPU (tests/test_feedback.py), and
     the calls are what ran before on the others.
     """
 
-    def calls(x, kept):
+    def calls(x, kept, *key):
         acc = x.astype(jnp.float32) + kept
-        p = codec.encode(acc.astype(dtype), key)
+        p = codec.encode(acc.astype(dtype), *key)
         return p, acc - decode_own(p)
 
     if not one_pass(codec, dtype):
-        return calls(x, kept)
+        return calls(x, kept, key)
 
-    def fused(x, kept):
-        return codec.encode_feedback(x, kept, key)
+    def fused(x, kept, *key):
+        return codec.encode_feedback(x, kept, *key)
 
-    return lax.platform_dependent(x, kept, cpu=fused, default=calls)
+    # The key is an operand: each branch is traced where it is lowered.
+    keys = () if key is None else (key,)
+    return platform_dependent(x, kept, *keys, cpu=fused, default=calls)
 
 
 def owner_stage(

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxcomp.ops._dispatch import platform_dependent
+
 
 def after(x, dep):
     """``x`` (a pytree of arrays), made to wait for ``dep`` (a pytree) on
@@ -28,9 +30,11 @@ def after(x, dep):
     into whatever computes ``x``. Other platforms issue collectives in
     program order, and keep the freedom to overlap chains.
 
-    The ``lax.platform_dependent`` below is the one outside
-    :mod:`jaxcomp.ops`, on purpose: it chooses no kernel, it works around
-    one platform's executor, and belongs with the collectives it orders.
+    The platform choice below (one primitive lowered per platform, as the
+    kernel calls are: a program lowered for the CPU holds the tie alone)
+    is the one outside :mod:`jaxcomp.ops`, on purpose: it chooses no
+    kernel, it works around one platform's executor, and belongs with the
+    collectives it orders.
     """
     deps = [d for d in map(jnp.asarray, jax.tree.leaves(dep)) if d.size]
     if not deps:
@@ -47,4 +51,4 @@ def after(x, dep):
         zero = lax.bitcast_convert_type(jnp.uint32(0x80000000) | (count >> 6), jnp.float32)
         return jax.tree.map(lambda a: a + zero.astype(a.dtype), x)
 
-    return lax.platform_dependent(x, *deps, cpu=tie, default=lambda x, *deps: x)
+    return platform_dependent(x, *deps, cpu=tie, default=lambda x, *deps: x)

@@ -98,13 +98,53 @@ def dispatch(
     on_cuda = kernel if cuda and not fused else twin
     if on_cpu is twin and on_cuda is twin:
         return tuple(twin(*args))
-    if not any(isinstance(a, jax.core.Tracer) for a in args):
-        # Eagerly, only the default platform's branch runs.
-        return tuple(lax.platform_dependent(*args, cpu=on_cpu, cuda=on_cuda, default=twin))
-    # The kernel's result types (a custom call and its varying-axes casts:
-    # a cheap trace); the branches are traced again, each where lowered.
-    out_avals = tuple(jax.make_jaxpr(lambda *a: tuple(kernel(*a)))(*args).out_avals)
-    return tuple(_call_p.bind(*args, cpu=on_cpu, cuda=on_cuda, default=twin, out_avals=out_avals))
+    # The kernel's result types are the cheap trace (a custom call and its
+    # varying-axes casts).
+    return tuple(platform_dependent(*args, cpu=on_cpu, cuda=on_cuda, default=twin, typed_by=kernel))
+
+
+def platform_dependent(
+    *args,
+    cpu: Callable,
+    default: Callable,
+    cuda: Callable | None = None,
+    typed_by: Callable | None = None,
+):
+    """``lax.platform_dependent(*args, cpu=..., cuda=..., default=...)``, each
+    branch traced only where a platform that runs it is lowered.
+
+    Under a trace it is one ``jaxcomp_platform_call`` with a lowering rule
+    per platform; eagerly, ``lax.platform_dependent`` (only the default
+    device's branch runs). ``args`` are pytrees of arrays; the branches
+    take them and nothing from an enclosing trace (they are traced later,
+    at lowering), and return the same pytree of the same types. ``typed_by``
+    (default ``cpu``) is the function traced now for those types: the
+    cheapest."""
+    cuda = default if cuda is None else cuda
+    leaves, in_tree = jax.tree.flatten(args)
+    if not any(isinstance(a, jax.core.Tracer) for a in leaves):
+        return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default)
+    out_tree = []
+
+    def flat(fn):
+        def run(*a):
+            outs, treedef = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, a)))
+            out_tree.append(treedef)
+            return tuple(outs)
+
+        return run
+
+    branches = {id(f): flat(f) for f in (cpu, cuda, default)}  # identical branches stay so
+    typer = branches.get(id(typed_by or cpu)) or flat(typed_by)
+    out_avals = tuple(jax.make_jaxpr(typer)(*leaves).out_avals)
+    outs = _call_p.bind(
+        *leaves,
+        cpu=branches[id(cpu)],
+        cuda=branches[id(cuda)],
+        default=branches[id(default)],
+        out_avals=out_avals,
+    )
+    return jax.tree.unflatten(out_tree[0], outs)
 
 
 # A kernel call or its twin, per platform (dispatch): the operands, the

@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.ops._dispatch import platform_dependent
+
 _SIGN = np.uint32(0x80000000)
 _MANT = np.uint32(0x007FFFFF)
 _HIDDEN = np.uint32(0x00800000)
@@ -136,14 +138,14 @@ def div(a: jax.Array, b: jax.Array) -> jax.Array:
     XLA's own division on the CPU, which rounds so already (and is cheaper
     to compile), the integer construction elsewhere."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    return lax.platform_dependent(a, b, cpu=lambda a, b: a / b, default=div_exact)
+    return platform_dependent(a, b, cpu=lambda a, b: a / b, default=div_exact)
 
 
 def sqrt(x: jax.Array) -> jax.Array:
     """``sqrt(x)`` in float32 as the kernels compute it (:func:`sqrt_exact`):
     XLA's own on the CPU, the integer construction elsewhere."""
     x = jnp.asarray(x, jnp.float32)
-    return lax.platform_dependent(x, cpu=jnp.sqrt, default=sqrt_exact)
+    return platform_dependent(x, cpu=jnp.sqrt, default=sqrt_exact)
 
 
 def _pack(sign, e, q, sticky, nan, nan_bits, inf, zero) -> jax.Array:
