@@ -14,7 +14,9 @@
 #          rounds as IEEE 754 does
 #   bench  the codec throughput at 2^26 on the GPU (benchmarks/codecs.py)
 #   step   the train step of a 67M-parameter MLP on a one-GPU mesh, plain
-#          against every codec, PowerSGD and onebit_adam (benchmarks/train_step.py)
+#          against every codec, PowerSGD and onebit_adam (benchmarks/train_step.py),
+#          then QSGD-4's step without, with one and with two levels of error
+#          feedback (--ablate)
 #
 #     bash benchmarks/gpu.sh [build|test|fast|arith|bench|step]...   # default: all
 #
@@ -91,6 +93,11 @@ for step in "${steps[@]}"; do
     run_step train_step timeout "${STEP_S:-150}" "$PY" benchmarks/train_step.py --platform gpu \
       --json "$LOGS/train_step.json"
     cat "$LOGS/train_step.log"
+    # QSGD-4 without, with one and with two levels of error feedback, and
+    # the kernels of each compiled step (docs/gpu.md).
+    run_step ablate timeout 60 "$PY" benchmarks/train_step.py --platform gpu \
+      --ablate qsgd:bits=4 --json "$LOGS/train_step-ablate.json" --hlo "$LOGS/step-qsgd4.hlo"
+    cat "$LOGS/ablate.log"
     ;;
   *)
     echo "unknown step: $step" >&2

@@ -11,6 +11,13 @@ the cheaper the codec's passes over the gradient and the residual).
 
     python benchmarks/train_step.py --platform gpu               # 4 x 4096^2, batch 1024
     python benchmarks/train_step.py --platform cpu --width 512   # small, for a CPU
+    python benchmarks/train_step.py --ablate qsgd:bits=4 --hlo step.hlo   # where its time goes
+
+``--ablate SPEC`` runs that codec three ways instead of the table: without
+error feedback, with the first level only (``server_error_feedback=False``)
+and with both, and prints the kernels of each compiled step (its custom
+calls by target, its fusions): the differences between the rows are what
+each level of error feedback costs.
 
 Median (and min) of ``--steps`` timed steps after two warm-up steps; every
 row's loss after them is printed, so that a row that trains wrong shows.
@@ -42,7 +49,7 @@ ROWS = [
 ]
 
 
-def _tx(kind, axis):
+def _tx(kind, axis, **kw):
     import optax
 
     import jaxcomp as jc
@@ -58,7 +65,18 @@ def _tx(kind, axis):
         return optax.chain(pmean(), optax.adam(1e-3))
     if kind == "onebit_adam":
         return jc.optax.onebit_adam(1e-3, axis, warmup_steps=1)
-    return optax.chain(jc.optax.compress_gradients(kind, axis), optax.sgd(0.01))
+    return optax.chain(jc.optax.compress_gradients(kind, axis, **kw), optax.sgd(0.01))
+
+
+def _kernels(hlo: str) -> str:
+    """The custom calls of compiled HLO by target, and its fusions."""
+    import collections
+    import re
+
+    calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
+    fusions = len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(", hlo, re.M))
+    listed = ", ".join(f"{t} x{c}" for t, c in sorted(calls.items())) or "none"
+    return f"custom calls: {listed}; fusions: {fusions}"
 
 
 def main() -> int:
@@ -70,6 +88,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rows", nargs="*", help="row names to run (default: all)")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument(
+        "--ablate",
+        metavar="SPEC",
+        help="one codec without, with one and with two levels of error feedback",
+    )
+    ap.add_argument("--hlo", help="with --ablate: write the full step's compiled HLO here")
     args = ap.parse_args()
 
     import jax
@@ -99,12 +123,20 @@ def main() -> int:
         f"params {n / 1e6:.1f}M ({grad_bytes / 1e6:.0f} MB f32 gradient); batch {args.batch}; "
         f"median of {args.steps} steps"
     )
+    plan = [(name, kind, {}) for name, kind in ROWS]
+    if args.ablate:
+        plan = [
+            ("plain pmean", None, {}),
+            ("no feedback", args.ablate, {"error_feedback": False}),
+            ("first level", args.ablate, {"server_error_feedback": False}),
+            ("both levels", args.ablate, {}),
+        ]
     rows, base = [], {}
-    for name, kind in ROWS:
+    for name, kind, kw in plan:
         # The baselines always run: every "+ ms" is against one of them.
         if args.rows and name not in args.rows and not name.startswith("plain"):
             continue
-        step = jc.data_parallel(loss_fn, _tx(kind, "data"), mesh)
+        step = jc.data_parallel(loss_fn, _tx(kind, "data", **kw), mesh)
         p, s = step.init(params)
         t0 = time.perf_counter()
         p, s, loss = step(p, s, batch)
@@ -132,6 +164,13 @@ def main() -> int:
             "compile_s": compile_s,
             "loss": float(loss),
         }
+        if args.ablate:
+            hlo = step._step.lower(p, s, batch, ()).compile().as_text()
+            row["kernels"] = _kernels(hlo)
+            print(f"  {name}: {row['kernels']}", flush=True)
+            if args.hlo and name == "both levels":
+                with open(args.hlo, "w") as f:
+                    f.write(hlo)
         rows.append(row)
         print(
             f"{name:14s} {med:7.2f} ms/step (min {best:7.2f})  + {extra:6.2f} ms  "

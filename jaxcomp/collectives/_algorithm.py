@@ -32,7 +32,8 @@ import numpy as np
 
 from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec
-from jaxcomp.collectives._decode import decode_f32
+from jaxcomp.collectives._decode import decode_own
+from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._order import after
 
 # (value: the sum / div, float32, flat; sent: float32, flat; the new server
@@ -247,7 +248,13 @@ def all_reduce_feedback(
     """The all-reduce of ``flat + residual`` by ``algorithm`` under error
     feedback: ``(value, kept, state)`` (:meth:`Algorithm.run_feedback`)."""
     if not ctx.axes.hierarchical and ctx.size == 1:
-        return _by_steps(_one_device, ctx, flat, residual, state)
+        if ctx.div != 1:
+            return _by_steps(_one_device, ctx, flat, residual, state)
+        # What the algorithms' first compression does (run_feedback): the
+        # payload and the new residual in one pass where the codec has the
+        # kernel, the own payload decoded fused.
+        p, kept = compress_kept(ctx.codec, after(flat, ctx.dep), residual, ctx.key, flat.dtype)
+        return decode_own(p), kept, state
     alg = resolve(ctx.codec, flat.size, ctx.axes, algorithm, "jc.psum")
     return alg.run_feedback(ctx, flat, residual, state)
 
@@ -263,11 +270,13 @@ def _by_steps(run, ctx: Context, flat, residual, state) -> FlatReduced:
 
 
 def _one_device(ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:
+    """One device: its own payload decoded (:func:`decode_own`, fused into
+    its consumers on GPUs), as every algorithm decodes what it sent."""
     codec, key, div = ctx.codec, ctx.key, ctx.div
     if div == 1:
-        sent = decode_f32(codec.encode(flat, key))
+        sent = decode_own(codec.encode(flat, key))
         return sent, sent, state
-    hat = decode_f32(codec.encode((flat.astype(jnp.float32) / div).astype(flat.dtype), key))
+    hat = decode_own(codec.encode((flat.astype(jnp.float32) / div).astype(flat.dtype), key))
     return hat, hat * div, state
 
 
