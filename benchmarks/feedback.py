@@ -1,11 +1,13 @@
 """Error feedback's compression, ``codec.encode_feedback(x, residual)``, in
-one pass against the three calls it replaces, on the CPU.
+one pass against the three calls it replaces, on the CPU or a GPU.
 
     python benchmarks/feedback.py                  # 2^24 float32, the fused codecs
     python benchmarks/feedback.py --log2-n 22 --reps 5
     python benchmarks/feedback.py --codecs topk:fraction=0.01 int8
+    python benchmarks/feedback.py --platform gpu --log2-n 26   # the CUDA one-pass kernels
 
-Per codec with a fused CPU kernel (``feedback_kernel``): the fused kernel;
+Per codec with a fused kernel (``feedback_kernel``; on a GPU,
+``cuda_feedback_kernel``): the fused kernel;
 the same result from the separate kernels (``acc = x + residual``, encode,
 decode, ``acc - decoded``: what ``jc.optax.compress_gradients`` computes
 today); the twins of both (``backend="xla"``). Each is timed as a jitted
@@ -34,7 +36,14 @@ def main() -> int:
     ap.add_argument("--log2-n", type=int, default=24)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--codecs", nargs="+", help="codec specs (default: every fused example)")
+    ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
     args = ap.parse_args()
+    with jax.default_device(jax.devices(args.platform)[0]):
+        return run(args)
+
+
+def run(args) -> int:
+    gpu = args.platform == "gpu"
     n = 1 << args.log2_n
     x = _bench.make_input(n, seed=1)
     r0 = _bench.make_input(n, seed=2) * 0.1
@@ -61,14 +70,17 @@ def main() -> int:
 
     floor = seconds(lambda i, r: x + r * 0.5, r0)
     gbps = 4 * n / 1e9
-    print(f"{n} float32 values; {jc._ffi.kernels_line()}")
+    print(
+        f"{n} float32 values on {jax.devices(args.platform)[0].device_kind}; {jc._ffi.kernels_line()}"
+    )
     print(f"floor (read x and r, write r): {floor * 1e3:.2f} ms, {gbps / floor:.1f} GB/s")
     print("| codec | path | ms | GB/s of gradient | x floor |")
     print("|---|---|---|---|---|")
     if args.codecs:
         codecs = [jc.codecs.get(spec) for spec in args.codecs]
     else:
-        codecs = [c for c in _bench.default_codecs() if c.feedback_kernel]
+        fused_here = "cuda_feedback_kernel" if gpu else "feedback_kernel"
+        codecs = [c for c in _bench.default_codecs() if getattr(c, fused_here)]
     for codec in codecs:
 
         def fused(i, r, codec=codec, backend="ffi"):
@@ -84,6 +96,8 @@ def main() -> int:
             ("kernels: add, encode, decode, subtract", by_calls),
             ("twins, fused by XLA", lambda i, r, f=fused: f(i, r, backend="xla")),
         ]
+        if gpu and not codec.cuda_feedback_kernel:
+            paths = paths[1:]  # "ffi" would run the twins there
         for label, step in paths:
             t = seconds(*carrying(step))
             print(f"| `{codec}` | {label} | {t * 1e3:.2f} | {gbps / t:.1f} | {t / floor:.2f} |")

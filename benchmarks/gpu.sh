@@ -12,7 +12,9 @@
 #          CPU machine: the suite's default platform is the CPU there too
 #   arith  benchmarks/xla_arith.py: which float32 operations XLA's GPU code
 #          rounds as IEEE 754 does
-#   bench  the codec throughput at 2^26 on the GPU (benchmarks/codecs.py)
+#   bench  the codec throughput at 2^26 on the GPU (benchmarks/codecs.py), and
+#          error feedback's one-pass kernels against the separate calls
+#          (benchmarks/feedback.py)
 #   step   the train step of a 67M-parameter MLP on a one-GPU mesh, plain
 #          against every codec, PowerSGD and onebit_adam (benchmarks/train_step.py),
 #          then QSGD-4's step without, with one and with two levels of error
@@ -88,6 +90,10 @@ for step in "${steps[@]}"; do
     run_step codecs timeout "${BENCH_S:-150}" "$PY" benchmarks/codecs.py --platform gpu \
       --log2-sizes ${SIZES:-26} --reps "${REPS:-3}" --json "$LOGS/codecs-gpu.json" --no-docs
     tail -n 50 "$LOGS/codecs.log"
+    # Error feedback's compression: the CUDA one-pass kernels against the
+    # separate kernels and the twins fused by XLA (Int8, QSGD).
+    run_step feedback timeout 90 "$PY" benchmarks/feedback.py --platform gpu --log2-n 26 --reps 5
+    cat "$LOGS/feedback.log"
     ;;
   step)
     run_step train_step timeout "${STEP_S:-150}" "$PY" benchmarks/train_step.py --platform gpu \

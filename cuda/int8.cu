@@ -1,4 +1,5 @@
-// Int8 on CUDA: the handlers of kInt8Encode and kInt8Decode, with the buffers,
+// Int8 on CUDA: the handlers of kInt8Encode, kInt8Decode and
+// kInt8EncodeFeedback, with the buffers,
 // checks and bytes of ffi/int8.cc. The targets, bodies, sizes and checks in
 // ffi/include/jaxcomp/int8.h; twin in jaxcomp/codecs/int8.py.
 #include <cuda_runtime.h>
@@ -15,23 +16,33 @@ namespace {
 // ---------------------------------------------------------------------------
 // Kernels and their launches
 // ---------------------------------------------------------------------------
-template <typename T>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_range:
+// the decoded values int8_value, as the decode kernel computes them).
+template <typename T, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    int8_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
-                       int8_t* __restrict__ q, float* __restrict__ scales, bool vec) {
+    int8_encode_kernel(Input<T, Feedback> in, int64_t num_buckets, Geometry g, int8_t* __restrict__ q,
+                       float* __restrict__ scales, float* __restrict__ new_residual, bool vec) {
   const Slot t = slot(g);
-  const float m = bucket_max_abs(x, n, t.start, g, t.lane);
+  const float m = bucket_max_abs(in, t.start, g, t.lane);
   if (t.bucket >= num_buckets) return;
   if (t.lane == 0) scales[t.bucket] = m;
   const float inv = int8_inv(m);
   uint8_t* out = reinterpret_cast<uint8_t*>(q) + t.start;
   for (int gi = t.lane; gi < g.bucket / 8; gi += g.lanes) {
     float v[8];
-    load8(x, t.start + 8 * gi, n, vec, v);
+    in.group(t.start + 8 * gi, vec, v);
     uint8_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) c[j] = static_cast<uint8_t>(int8_code(v[j], inv));
     store_bytes8(out + 8 * gi, vec, c);
+    if constexpr (Feedback) {
+      const float step = int8_step(m);
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = int8_value(static_cast<int8_t>(c[j]), step);
+      store_residual8(new_residual, t.start + 8 * gi, in.n, vec, v, hat);
+    }
   }
 }
 
@@ -39,8 +50,23 @@ void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int8_t* q, 
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
-    const auto* xd = static_cast<const decltype(tag)*>(x);
-    int8_encode_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, q, scales, aligned16(xd) && aligned16(q));
+    using T = decltype(tag);
+    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
+    int8_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(
+        in, nb, g, q, scales, nullptr, aligned16(x) && aligned16(q));
+  });
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, int8_t* q,
+                     float* scales, float* new_residual, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const Input<T, true> in{static_cast<const T*>(x), residual, n};
+    const bool vec = aligned16(x) && aligned16(residual) && aligned16(q) && aligned16(new_residual);
+    int8_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, q, scales, new_residual,
+                                                                               vec);
   });
 }
 
@@ -71,6 +97,7 @@ void decode(cudaStream_t stream, DType dt, const int8_t* q, const float* scales,
 using Handlers = CudaPairHandlers<ffi::S8, ffi::F32>;
 JAXCOMP_REGISTER(kInt8Encode, Handlers::encode<check_pair_encode<int8_sizes>, encode>);
 JAXCOMP_REGISTER(kInt8Decode, Handlers::decode<check_pair_decode<int8_sizes>, decode>);
+JAXCOMP_REGISTER(kInt8EncodeFeedback, Handlers::feedback<check_pair_encode<int8_sizes>, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

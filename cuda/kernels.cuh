@@ -226,18 +226,68 @@ struct Max {
   __device__ __forceinline__ uint32_t operator()(uint32_t a, uint32_t b) const { return a > b ? a : b; }
 };
 
-// max|x| over the bucket as abs_bits: an integer max, so any order gives the
-// same (exact) result and the segment tree is used only to combine lanes.
-template <typename T>
-__device__ __forceinline__ float bucket_max_abs(const T* __restrict__ x, int64_t n, int64_t start,
-                                                const Geometry& g, int lane) {
+// What an encode kernel compresses: x itself, or under error feedback (the
+// encode_feedback targets) acc = float32(x) + residual, one float32 add per
+// element, as the CPU's load_sum forms it (ffi/cpu_buckets.h). Elements at
+// or past n read as 0 (+0.0 + +0.0 under error feedback: the CPU's zero
+// padding, to the bit).
+template <typename T, bool Feedback>
+struct Input {
+  const T* __restrict__ x;
+  const float* __restrict__ residual;  // read only with Feedback
+  int64_t n;
+
+  __device__ __forceinline__ float at(int64_t i) const {
+    if constexpr (Feedback) {
+      return i < n ? to_f32(x[i]) + residual[i] : 0.0f;
+    } else {
+      return load1(x, i, n);
+    }
+  }
+
+  // Group of 8 at i0 (a multiple of 8); `vec`: x, and with Feedback the
+  // residual, 16-byte aligned.
+  __device__ __forceinline__ void group(int64_t i0, bool vec, float v[8]) const {
+    load8(x, i0, n, vec, v);
+    if constexpr (Feedback) {
+      float r[8];
+      load8(residual, i0, n, vec, r);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) v[j] = v[j] + r[j];
+    }
+  }
+};
+
+// The new residual of a group under error feedback: acc - decoded, the
+// decoded values as the decoders write them (common.h's NaN rule), as the
+// CPU's store_residual computes it; elements past n are not written.
+__device__ __forceinline__ void store_residual8(float* __restrict__ out, int64_t i0, int64_t n, bool vec,
+                                                const float acc[8], const float decoded[8]) {
+  float r[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) r[j] = acc[j] - canonical_nan(decoded[j]);
+  store8(out, i0, n, vec, r);
+}
+
+// max|v| over the bucket of an Input as abs_bits: an integer max, so any
+// order gives the same (exact) result and the segment tree is used only to
+// combine lanes.
+template <typename In>
+__device__ __forceinline__ float bucket_max_abs(const In& in, int64_t start, const Geometry& g, int lane) {
   __shared__ uint32_t sm[kThreads];
   uint32_t m = 0;
   for (int e = lane; e < g.bucket; e += g.lanes) {
-    const uint32_t a = abs_bits(load1(x, start + e, n));
+    const uint32_t a = abs_bits(in.at(start + e));
     m = a > m ? a : m;
   }
   return bits_f32(segment_tree(sm, m, lane, g.lanes, Max{}));
+}
+
+// max|x| over the bucket of x itself.
+template <typename T>
+__device__ __forceinline__ float bucket_max_abs(const T* __restrict__ x, int64_t n, int64_t start,
+                                                const Geometry& g, int lane) {
+  return bucket_max_abs(Input<T, false>{x, nullptr, n}, start, g, lane);
 }
 
 // The segment and lane of this thread, and its bucket.

@@ -1,4 +1,5 @@
-// QSGD on CUDA: the handlers of kQsgdEncode, kQsgdDecode and kQsgdDecodeSum,
+// QSGD on CUDA: the handlers of kQsgdEncode, kQsgdDecode, kQsgdDecodeSum and
+// kQsgdEncodeFeedback,
 // with the buffers, checks and bytes of ffi/qsgd.cc. The targets, bodies,
 // sizes and checks in ffi/include/jaxcomp/qsgd.h; twin in
 // jaxcomp/codecs/qsgd.py. Nothing is
@@ -18,22 +19,24 @@ namespace {
 // ---------------------------------------------------------------------------
 // Kernels
 // ---------------------------------------------------------------------------
-template <typename T, bool L2>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_range:
+// the decoded values qsgd_value, as the decode kernel computes them).
+template <typename T, bool L2, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    qsgd_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g, int bits,
+    qsgd_encode_kernel(Input<T, Feedback> in, int64_t num_buckets, Geometry g, int bits,
                        const uint32_t* __restrict__ seed, uint8_t* __restrict__ packed,
-                       float* __restrict__ scales, bool vec) {
+                       float* __restrict__ scales, float* __restrict__ new_residual, bool vec) {
   const Slot t = slot(g);
   float scale;
   if constexpr (L2) {
     __shared__ float sm[kThreads];
     const float part = lane_tree_sum<float>(g.lane_levels, [&](uint32_t j) {
-      const float v = load1(x, t.start + t.lane + static_cast<int64_t>(j) * g.lanes, n);
-      return exact_square(v);
+      return exact_square(in.at(t.start + t.lane + static_cast<int64_t>(j) * g.lanes));
     });
     scale = sqrtf(segment_tree(sm, part, t.lane, g.lanes, Plus{}));
   } else {
-    scale = bucket_max_abs(x, n, t.start, g, t.lane);
+    scale = bucket_max_abs(in, t.start, g, t.lane);
   }
   if (t.bucket >= num_buckets) return;  // no __syncthreads() after this point
   if (t.lane == 0) scales[t.bucket] = scale;
@@ -45,7 +48,7 @@ __global__ void __launch_bounds__(kThreads)
   uint8_t* out = packed + t.bucket * groups * bits;
   for (int gi = t.lane; gi < groups; gi += g.lanes) {
     float v[8];
-    load8(x, t.start + 8 * gi, n, vec, v);
+    in.group(t.start + 8 * gi, vec, v);
     uint8_t codes[8];
     // The element index wraps modulo 2^32 exactly like the CPU's uint32 base.
     const uint32_t base = static_cast<uint32_t>(t.start) + static_cast<uint32_t>(8 * gi);
@@ -58,6 +61,13 @@ __global__ void __launch_bounds__(kThreads)
       store_bytes8(out + 8 * gi, vec, codes);
     else
       pack8(codes, bits, out + bits * gi);
+    if constexpr (Feedback) {
+      const float step = qsgd_step(scale, s);
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = qsgd_value(codes[j], step, bits);
+      store_residual8(new_residual, t.start + 8 * gi, in.n, vec, v, hat);
+    }
   }
 }
 
@@ -114,17 +124,33 @@ __global__ void __launch_bounds__(kThreads)
 // Handlers: encode and decode are the pair families' (cuda_runtime.cuh), one
 // tensor at a time; decode_sum sums the rows of one call
 // ---------------------------------------------------------------------------
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* packed,
-            float* scales, int64_t bits, int64_t bucket, int64_t l2) {
+// The encode (residual nullptr) or the encode under error feedback.
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                   const uint32_t* seed, uint8_t* packed, float* scales, float* new_residual, int64_t bits,
+                   int64_t bucket, int64_t l2) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
+  bool vec = aligned16(x) && aligned16(packed);
+  if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true> : qsgd_encode_kernel<T, false>;
-    const T* xd = static_cast<const T*>(x);
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, static_cast<int>(bits), seed, packed, scales,
-                                                          aligned16(xd) && aligned16(packed));
+    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, static_cast<int>(bits), seed, packed, scales,
+                                                          new_residual, vec);
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* packed,
+            float* scales, int64_t bits, int64_t bucket, int64_t l2) {
+  launch_encode<false>(stream, dt, x, nullptr, n, seed, packed, scales, nullptr, bits, bucket, l2);
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                     const uint32_t* seed, uint8_t* packed, float* scales, float* new_residual, int64_t bits,
+                     int64_t bucket, int64_t l2) {
+  launch_encode<true>(stream, dt, x, residual, n, seed, packed, scales, new_residual, bits, bucket, l2);
 }
 
 void decode(cudaStream_t stream, DType dt, const uint8_t* packed, const float* scales, int64_t n, void* out,
@@ -162,6 +188,7 @@ using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kQsgdEncode, Handlers::encode<qsgd_check_encode, encode>);
 JAXCOMP_REGISTER(kQsgdDecode, Handlers::decode<qsgd_check_decode, decode>);
 JAXCOMP_REGISTER(kQsgdDecodeSum, DecodeSumImpl);
+JAXCOMP_REGISTER(kQsgdEncodeFeedback, Handlers::feedback<qsgd_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

@@ -175,3 +175,34 @@ def test_compress_gradients_compresses_in_one_pass(codec, algorithm, calls):
     assert hlo.count(fused_target) == calls, hlo.count(fused_target)
     if calls:
         assert f'"jaxcomp_{codec.name}_encode"' not in hlo
+
+
+def _registered_feedback_targets(folder: str) -> set[str]:
+    """The codec names whose ``jaxcomp_<name>_encode_feedback`` target the
+    sources of ``folder`` (``ffi`` or ``cuda``) register."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parent.parent
+    constants = {}
+    for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):
+        for const, name in re.findall(
+            r'Target (\w+)\{"jaxcomp_(\w+)_encode_feedback"', header.read_text()
+        ):
+            constants[const] = name
+    registered = set()
+    for source in (root / folder).glob("*.c[cu]"):
+        registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
+    return {name for const, name in constants.items() if const in registered}
+
+
+def test_the_flags_name_the_kernels_the_sources_register():
+    """``feedback_kernel`` and ``cuda_feedback_kernel`` say which codecs'
+    one-pass targets the CPU and CUDA modules register (``backend="ffi"``
+    calls them, and a flag without its kernel would fail to lower), read
+    from the sources, so that a kernel or a flag added alone fails here."""
+    classes = {type(c) for c in CONTRACT_CODECS}
+    for attr, folder in (("feedback_kernel", "ffi"), ("cuda_feedback_kernel", "cuda")):
+        flagged = {c.name for c in classes if getattr(c, attr)}
+        assert flagged == _registered_feedback_targets(folder), attr
+    assert {c.name for c in classes if c.cuda_feedback_kernel} == {"int8", "qsgd"}

@@ -373,6 +373,10 @@ class Codec:
     #: Whether the CPU kernels have a fused error-feedback target,
     #: ``jaxcomp_<name>_encode_feedback`` (see :meth:`encode_feedback`).
     feedback_kernel: ClassVar[bool] = False
+    #: Whether the CUDA kernels have it too. ``backend="ffi"`` then runs it
+    #: on GPUs; "auto" keeps the three calls there until a GPU has timed
+    #: the kernel against them (``benchmarks/feedback.py --platform gpu``).
+    cuda_feedback_kernel: ClassVar[bool] = False
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -759,15 +763,16 @@ class Codec:
         over the gradient and the residual, each bucket in cache, with no
         ``acc`` and no decoded tensor written out; elsewhere (other codecs,
         GPUs, ``backend="xla"``) it is the three calls, which XLA fuses
-        where it can.
+        where it can. Int8 and QSGD have the one-pass kernel on CUDA as
+        well (:attr:`cuda_feedback_kernel`), which ``backend="ffi"`` runs.
 
         Args:
           x: the gradient (float32, bfloat16 or float16, any shape).
           residual: float32, ``x``'s shape: what earlier steps left out.
           key: a JAX PRNG key; required by stochastic codecs.
           backend: "auto" (the fused kernel on the CPU where built, else
-            the three calls), "ffi" (the fused kernel required on the CPU)
-            or "xla" (the twins).
+            the three calls), "ffi" (the fused kernel required on the CPU,
+            and on CUDA where the codec has one) or "xla" (the twins).
         Returns:
           ``(payload, new_residual)``: a float32 payload of ``x``'s shape,
           and the float32 new residual.
@@ -788,12 +793,12 @@ class Codec:
         if not self.feedback_kernel:
             return self._feedback_by_calls(flat, res, key, backend, x.shape)
         # The fused kernel is the CPU's: the "fused" backends run it there
-        # (required with "ffi") and the twin elsewhere.
-        backend = (
-            Backend.FUSED_FFI
-            if backend == "ffi"
-            else resolve_backend("fused" if backend == "auto" else backend)
-        )
+        # (required with "ffi") and the twin elsewhere; "ffi" runs the CUDA
+        # one where the codec has it.
+        if backend == "ffi":
+            backend = Backend.FFI if self.cuda_feedback_kernel else Backend.FUSED_FFI
+        else:
+            backend = resolve_backend("fused" if backend == "auto" else backend)
         if backend is Backend.XLA:
             return self._feedback_by_calls(flat, res, key, backend, x.shape)
         return self._feedback_fused(flat, res, key, backend, x.shape)

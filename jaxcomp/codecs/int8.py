@@ -36,6 +36,7 @@ class Int8(BucketedCodec):
     name: ClassVar[str] = "int8"
     codec_id: ClassVar[int] = 3
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)

@@ -59,6 +59,7 @@ class QSGD(BucketedCodec):
     seeded: ClassVar[bool] = True
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

@@ -103,7 +103,7 @@ inline constexpr Target kQsgdEncode{"jaxcomp_qsgd_encode",
                                     "l2"};          // 1: L2 norm, 0: max norm
 //   decode: packed codes, scales -> flat output, the input's dtype
 inline constexpr Target kQsgdDecode{"jaxcomp_qsgd_decode", "bits", "bucket_size"};
-//   encode_feedback (CPU): x, residual (f32), seed -> packed codes, scales,
+//   encode_feedback (CPU, CUDA): x, residual (f32), seed -> packed codes, scales,
 //           new residual (f32): the payload of acc = f32(x) + residual, and
 //           acc - decode(payload); the encoder's attributes
 inline constexpr Target kQsgdEncodeFeedback{"jaxcomp_qsgd_encode_feedback", "bits", "bucket_size", "l2"};
