@@ -1,5 +1,5 @@
-// 1-bit SGD on CUDA: the handlers of kOnebitEncode and kOnebitDecode, with the
-// buffers, checks and bytes of ffi/onebit.cc. The targets, bodies, sizes and
+// 1-bit SGD on CUDA: the handlers of kOnebitEncode, kOnebitDecode and
+// kOnebitEncodeFeedback, with the buffers, checks and bytes of ffi/onebit.cc. The targets, bodies, sizes and
 // checks in ffi/include/jaxcomp/onebit.h; twin in jaxcomp/codecs/onebit.py.
 #include <cuda_runtime.h>
 
@@ -28,45 +28,71 @@ __device__ __forceinline__ OnebitAcc operator+(const OnebitAcc& a, const OnebitA
   return OnebitAcc{a.pos + b.pos, a.neg + b.neg, a.npos + b.npos};
 }
 
-template <typename T>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_body:
+// the decoded values, hi or lo, as the decode kernel writes them).
+template <typename T, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    onebit_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
-                         uint8_t* __restrict__ bits, float* __restrict__ means, bool vec) {
+    onebit_encode_kernel(Input<T, Feedback> in, int64_t num_buckets, Geometry g, uint8_t* __restrict__ bits,
+                         float* __restrict__ means, float* __restrict__ new_residual, bool vec) {
   __shared__ OnebitAcc sm[kThreads];
   const Slot t = slot(g);
   const OnebitAcc part = lane_tree_sum<OnebitAcc>(g.lane_levels, [&](uint32_t j) {
     const int64_t i = t.start + t.lane + static_cast<int64_t>(j) * g.lanes;
-    const float v = load1(x, i, n);
+    const float v = in.at(i);
     const bool p = v >= 0.0f;  // NaN goes to the negative side and poisons avg-
-    return OnebitAcc{p ? v : 0.0f, p ? 0.0f : v, (p && i < n) ? 1u : 0u};
+    return OnebitAcc{p ? v : 0.0f, p ? 0.0f : v, (p && i < in.n) ? 1u : 0u};
   });
+  // Every thread of the segment gets the sums, so each has the means.
   const OnebitAcc sum = segment_tree(sm, part, t.lane, g.lanes, Plus{});
   if (t.bucket >= num_buckets) return;
+  const int64_t left = in.n - t.start;
+  const uint32_t valid = static_cast<uint32_t>(left < g.bucket ? left : g.bucket);
+  const float hi = onebit_mean(sum.pos, sum.npos), lo = onebit_mean(sum.neg, valid - sum.npos);
   if (t.lane == 0) {
-    const int64_t left = n - t.start;
-    const uint32_t valid = static_cast<uint32_t>(left < g.bucket ? left : g.bucket);
-    means[2 * t.bucket] = onebit_mean(sum.pos, sum.npos);
-    means[2 * t.bucket + 1] = onebit_mean(sum.neg, valid - sum.npos);
+    means[2 * t.bucket] = hi;
+    means[2 * t.bucket + 1] = lo;
   }
   uint8_t* out = bits + t.bucket * (g.bucket / 8);
   for (int gi = t.lane; gi < g.bucket / 8; gi += g.lanes) {
     float v[8];
-    load8(x, t.start + 8 * gi, n, vec, v);
+    in.group(t.start + 8 * gi, vec, v);
     uint8_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) c[j] = v[j] >= 0.0f ? 1 : 0;
     pack8(c, 1, out + gi);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = c[j] ? hi : lo;
+      store_residual8(new_residual, t.start + 8 * gi, in.n, vec, v, hat);
+    }
   }
 }
 
-// The bits are written one byte per thread, so only the input needs the
-// alignment check.
+// The bits are written one byte per thread, so only the input (and the
+// residuals) need the alignment check.
 void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* bits, float* means, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
-    const auto* xd = static_cast<const decltype(tag)*>(x);
-    onebit_encode_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, bits, means, aligned16(xd));
+    using T = decltype(tag);
+    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
+    onebit_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, bits, means, nullptr,
+                                                                                  aligned16(x));
+  });
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                     uint8_t* bits, float* means, float* new_residual, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const Input<T, true> in{static_cast<const T*>(x), residual, n};
+    const bool vec = aligned16(x) && aligned16(residual) && aligned16(new_residual);
+    onebit_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, bits, means,
+                                                                                 new_residual, vec);
   });
 }
 
@@ -96,6 +122,7 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* bits, const float* mea
 using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kOnebitEncode, Handlers::encode<check_pair_encode<onebit_sizes>, encode>);
 JAXCOMP_REGISTER(kOnebitDecode, Handlers::decode<check_pair_decode<onebit_sizes, kBadMeans>, decode>);
+JAXCOMP_REGISTER(kOnebitEncodeFeedback, Handlers::feedback<check_pair_encode<onebit_sizes>, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

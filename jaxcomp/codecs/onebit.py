@@ -44,6 +44,7 @@ class OneBit(BucketedCodec):
     recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 2
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)

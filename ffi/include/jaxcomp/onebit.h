@@ -42,7 +42,7 @@ inline constexpr Target kOnebitEncode{"jaxcomp_onebit_encode",
                                       "bucket_size"};  // power of two
 //   decode: bits, means -> flat output, the input's dtype
 inline constexpr Target kOnebitDecode{"jaxcomp_onebit_decode", "bucket_size"};
-//   encode_feedback (CPU): x, residual (f32) -> bits, means, new residual
+//   encode_feedback (CPU, CUDA): x, residual (f32) -> bits, means, new residual
 //   (f32): the payload of acc = f32(x) + residual, and acc - decode(payload)
 inline constexpr Target kOnebitEncodeFeedback{"jaxcomp_onebit_encode_feedback", "bucket_size"};
 
