@@ -255,6 +255,7 @@ def main() -> int:
     if args.profile:
         footprint(make_step(plain), sgd.init(params), "`lax.pmean` + sgd")
     print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
+    print(jc._ffi.kernels_line())  # the twins run where the kernels did not load
     extra = [c for c, on in (("x bare jc.pmean", args.bare), ("x floor", args.floor)) if on]
     blank = " |" * len(extra)
     print("| step | ms | x plain pmean step |" + "".join(f" {c} |" for c in extra))

@@ -1,6 +1,7 @@
-// Float casts on the CPU (the Cast codec's encode and decode): the handler of
-// kCast. The target, conversions and checks in include/jaxcomp/cast.h; twin:
+// Float casts on the CPU (the Cast codec's encode and decode): the handlers of
+// kCast and kCastEncodeFeedback. The target, conversions and checks in include/jaxcomp/cast.h; twin:
 // astype (jaxcomp/codecs/cast.py).
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu_runtime.h"
@@ -32,8 +33,47 @@ JC_CPU_LOOP void cast_range(const CastArgs& a, int64_t i0, int64_t i1) {
   });
 }
 
+// Error feedback in one pass: acc = f32(x) + residual, its conversion, and
+// acc - the conversion read back (the decode's values, with the decoders'
+// NaN rule as cpu_buckets.h's store_residual applies it), acc never
+// written out.
+struct CastFeedbackArgs {
+  DType from, to;
+  const void* in;
+  const float* residual;
+  void* out;
+  float* new_residual;
+};
+
+// In chunks that stay in cache, each step its own simple loop (the
+// compiler vectorizes each; one loop doing all three did not, and ran
+// slower than the separate kernels).
+template <typename In, typename Out>
+void cast_feedback_t(const CastFeedbackArgs& a, int64_t i0, int64_t i1) {
+  constexpr int64_t kChunk = 2048;
+  alignas(64) float acc[kChunk];
+  const In* src = static_cast<const In*>(a.in);
+  Out* dst = static_cast<Out*>(a.out);
+  for (int64_t c0 = i0; c0 < i1; c0 += kChunk) {
+    const int64_t m = std::min(kChunk, i1 - c0);
+    const In* s = src + c0;
+    const float* r = a.residual + c0;
+    Out* d = dst + c0;
+    float* nr = a.new_residual + c0;
+    for (int64_t k = 0; k < m; ++k) acc[k] = to_f32(s[k]) + r[k];
+    for (int64_t k = 0; k < m; ++k) d[k] = from_f32<Out>(acc[k]);
+    for (int64_t k = 0; k < m; ++k) nr[k] = acc[k] - canonical_nan(to_f32(d[k]));
+  }
+}
+
+JC_CPU_LOOP void cast_feedback_range(const CastFeedbackArgs& a, int64_t i0, int64_t i1) {
+  with_type(a.from, [&](auto in_tag) {
+    with_type(a.to, [&](auto out_tag) { cast_feedback_t<decltype(in_tag), decltype(out_tag)>(a, i0, i1); });
+  });
+}
+
 // ---------------------------------------------------------------------------
-// Handler
+// Handlers
 // ---------------------------------------------------------------------------
 ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
   const Batch b(x, *y);
@@ -46,7 +86,28 @@ ffi::Error CastImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::Any
   });
 }
 
+ffi::Error CastFeedbackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> residual,
+                            ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Buffer<ffi::F32>> new_residual) {
+  const Batch b(x, residual, *y, *new_residual);
+  const DType from = dtype_of(x.element_type()), to = dtype_of(y->element_type());
+  const int64_t n = b.count(0);
+  hint_huge_pages(new_residual->typed_data(), static_cast<int64_t>(new_residual->size_bytes()));
+  const char* error = b.count(1) != n || b.count(3) != n
+                          ? "the residual and the new residual must have the gradient's size"
+                          : cast_check(from, to, n, b.count(2));
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
+    const CastFeedbackArgs a{from,
+                             to,
+                             b.at<void>(0, i),
+                             b.at<const float>(1, i),
+                             b.at<void>(2, i),
+                             b.at<float>(3, i)};
+    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) { cast_feedback_range(a, i0, i1); });
+  });
+}
+
 JAXCOMP_REGISTER(kCast, CastImpl);
+JAXCOMP_REGISTER(kCastEncodeFeedback, CastFeedbackImpl);
 
 }  // namespace
 }  // namespace jaxcomp

@@ -1,7 +1,8 @@
 """Cast: send values as 16-bit floats (round to nearest even).
 
 Kernels: ffi/include/jaxcomp/cast.h (bodies), ffi/cast.cc, cuda/cast.cu; the
-twin is XLA's own conversion.
+twin is XLA's own conversion. Error feedback's compression has a one-pass
+CPU kernel (``encode_feedback``: ffi/cast.cc).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Cast(Codec):
 
     name: ClassVar[str] = "cast"
     codec_id: ClassVar[int] = 4
+    feedback_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -63,6 +65,14 @@ class Cast(Codec):
 
     def _decode(self, payload, backend):
         return cast(payload["values"], payload.dtype, backend=backend)
+
+    # The twins of encode_feedback's kernel (jaxcomp_cast_encode_feedback):
+    # the conversion each way.
+    def twin_encode(self, flat):
+        return (_astype(flat, jnp.dtype(self.dtype)),)
+
+    def twin_decode(self, values, *, n, dtype):
+        return _astype(values, jnp.dtype(dtype))
 
     def wire_params(self):
         return (_TARGETS.index(self.dtype),)

@@ -26,5 +26,9 @@ inline const char* cast_check(DType from, DType to, int64_t n, int64_t out) {
 // The target of ffi/cast.cc and cuda/cast.cu (jaxcomp/registry.h):
 //   x -> x converted, round to nearest even (the output's dtype)
 inline constexpr Target kCast{"jaxcomp_cast"};
+//   encode_feedback (CPU): x (f32/bf16/f16), residual (f32, x's length) ->
+//   values (bfloat16 or float16, the result's dtype), new residual (f32):
+//   acc = f32(x) + residual converted, and acc - f32(values)
+inline constexpr Target kCastEncodeFeedback{"jaxcomp_cast_encode_feedback"};
 
 }  // namespace jaxcomp
