@@ -26,7 +26,9 @@ row's loss after them is printed, so that a row that trains wrong shows.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import time
 
 import numpy as np
@@ -70,9 +72,6 @@ def _tx(kind, axis, **kw):
 
 def _kernels(hlo: str) -> str:
     """The custom calls of compiled HLO by target, and its fusions."""
-    import collections
-    import re
-
     calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
     fusions = len(re.findall(r"^\s*(?:ROOT )?%\S+ = \S+ fusion\(", hlo, re.M))
     listed = ", ".join(f"{t} x{c}" for t, c in sorted(calls.items())) or "none"

@@ -11,6 +11,8 @@ values, and the compiled step calls that kernel.
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -180,9 +182,6 @@ def test_compress_gradients_compresses_in_one_pass(codec, algorithm, calls):
 def _registered_feedback_targets(folder: str) -> set[str]:
     """The codec names whose ``jaxcomp_<name>_encode_feedback`` target the
     sources of ``folder`` (``ffi`` or ``cuda``) register."""
-    import pathlib
-    import re
-
     root = pathlib.Path(__file__).parent.parent
     constants = {}
     for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):

@@ -248,7 +248,7 @@ def all_reduce_feedback(
     """The all-reduce of ``flat + residual`` by ``algorithm`` under error
     feedback: ``(value, kept, state)`` (:meth:`Algorithm.run_feedback`)."""
     if not ctx.axes.hierarchical and ctx.size == 1:
-        if ctx.div != 1:
+        if ctx.div != 1:  # a context narrowed to one axis (Context.over) keeps its mean's div
             return _by_steps(_one_device, ctx, flat, residual, state)
         # What the algorithms' first compression does (run_feedback): the
         # payload and the new residual in one pass where the codec has the

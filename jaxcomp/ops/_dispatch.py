@@ -124,19 +124,16 @@ def platform_dependent(
     leaves, in_tree = jax.tree.flatten(args)
     if not any(isinstance(a, jax.core.Tracer) for a in leaves):
         return lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default)
-    out_tree = []
 
     def flat(fn):
-        def run(*a):
-            outs, treedef = jax.tree.flatten(fn(*jax.tree.unflatten(in_tree, a)))
-            out_tree.append(treedef)
-            return tuple(outs)
+        return lambda *a: tuple(jax.tree.leaves(fn(*jax.tree.unflatten(in_tree, a))))
 
-        return run
-
+    typed = typed_by or cpu
+    jaxpr, shapes = jax.make_jaxpr(
+        lambda *a: typed(*jax.tree.unflatten(in_tree, a)), return_shape=True
+    )(*leaves)
     branches = {id(f): flat(f) for f in (cpu, cuda, default)}  # identical branches stay so
-    typer = branches.get(id(typed_by or cpu)) or flat(typed_by)
-    out_avals = tuple(jax.make_jaxpr(typer)(*leaves).out_avals)
+    out_avals = tuple(jaxpr.out_avals)
     outs = _call_p.bind(
         *leaves,
         cpu=branches[id(cpu)],
@@ -144,7 +141,7 @@ def platform_dependent(
         default=branches[id(default)],
         out_avals=out_avals,
     )
-    return jax.tree.unflatten(out_tree[0], outs)
+    return jax.tree.unflatten(jax.tree.structure(shapes), outs)
 
 
 # A kernel call or its twin, per platform (dispatch): the operands, the
