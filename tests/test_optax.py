@@ -470,7 +470,8 @@ def test_a_non_finite_step_leaves_the_state_as_it_was(mesh):
     assert_trees_equal(after, want._replace(telemetry=skipped))
 
     # A residual past float16's range on device 0 only: the mean is finite,
-    # the step counts, and device 0 keeps its residuals as they were.
+    # the step counts, and the elements of device 0's residual that would
+    # overflow keep their old values; every other element moves on.
     big = g | {"c": g["c"].at[0].multiply(1e6)}
     updates, state3 = step(big, state1)
     assert all(np.isfinite(np.asarray(u)).all() for u in updates.values())
@@ -478,8 +479,11 @@ def test_a_non_finite_step_leaves_the_state_as_it_was(mesh):
     for k in SHAPES:
         new, old = np.asarray(state3.residuals[k]), np.asarray(state1.residuals[k])
         assert np.isfinite(new).all()
-        np.testing.assert_array_equal(new[0], old[0])
         assert k == "b" or not np.array_equal(new[1:], old[1:])  # 'b' is sent exactly
+        if k != "c":
+            continue
+        kept = new[0] == old[0]
+        assert kept.any() and not kept.all()  # the overflowing elements only
 
 
 @pytest.mark.parametrize("case", ["structure", "buckets", "shapes", "dtype", "replicated"])

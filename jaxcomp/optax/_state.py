@@ -297,16 +297,30 @@ def _read_residual(plan: Plan, i: int, r, dtype, who: str):
     return r[0]
 
 
-def write_residuals(plan: Plan, state_residuals, new: list, keep) -> Any:
-    """The state's residuals after a step: the new ones where ``keep``,
-    else the old ones (a step that made one non-finite changes nothing).
+def keep_finite(ok, new, old):
+    """``new`` where ``ok`` (the step's mean was finite) and the element is
+    finite, else ``old``: one elementwise select, which XLA fuses into the
+    pass that writes the state, with no reduction over the residuals.
+
+    With finite means a float32 residual is finite (a non-finite ``acc``
+    on any device reaches the mean, tests/test_nonfinite.py) except past
+    half of float32's range, and a narrower ``residual_dtype`` overflows
+    where its range ends: such an element keeps its old value, so the
+    state never holds a non-finite residual."""
+    return jnp.where(ok & jnp.isfinite(new), new, old)
+
+
+def write_residuals(plan: Plan, state_residuals, new: list, ok) -> Any:
+    """The state's residuals after a step: the new ones if ``ok``, else the
+    old ones (a step with a non-finite mean changes nothing), element by
+    element as :func:`keep_finite` says.
 
     The select is taken on the state's own ``(1, *shape)`` arrays, not on
     the leaf-shaped ones and then expanded: XLA then needs one temporary
     less (docs/benchmarks.md, "The optimizer step")."""
     raw = plan.treedef.flatten_up_to(state_residuals)
     leaves = [
-        optax.MaskedNode() if n is None else jnp.where(keep, n[None], o)
+        optax.MaskedNode() if n is None else keep_finite(ok, n[None], o)
         for o, n in zip(raw, new, strict=True)
     ]
     return plan.treedef.unflatten(leaves)
@@ -373,9 +387,9 @@ def _check_server(bucket, m: int, shape: tuple, s, sizes, algorithm: str, who: s
         )
 
 
-def write_servers(old: tuple, new, keep) -> tuple:
-    """The state's server residuals after a step: the new ones where ``keep``."""
-    return tuple(jnp.where(keep, n[None], o) for o, n in zip(old, new, strict=True))
+def write_servers(old: tuple, new, ok) -> tuple:
+    """The state's server residuals after a step, as :func:`keep_finite` says."""
+    return tuple(keep_finite(ok, n[None], o) for o, n in zip(old, new, strict=True))
 
 
 # ---------------------------------------------------------------------------

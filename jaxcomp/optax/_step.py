@@ -196,14 +196,12 @@ class Unpacked(NamedTuple):
       updates: the mean gradient leaves, in flatten order (float0 leaves as
         they came).
       residuals: this device's new residual of every leaf, shaped like it,
-        in ``residual_dtype`` (None where a leaf has none).
-      residuals_finite: bool[], whether every new residual is finite,
-        provided the means are (see :func:`unpack`).
+        in ``residual_dtype`` (None where a leaf has none), as computed:
+        the caller keeps the old value where one is not finite.
     """
 
     updates: list
     residuals: list
-    residuals_finite: jax.Array
 
 
 def _split(buffer, group: Bucket, plan: Plan) -> list[tuple[int, jax.Array]]:
@@ -224,21 +222,14 @@ def unpack(plan: Plan, leaves: list, means, kept, residual_dtype) -> Unpacked:
       means, kept: the buffers of :func:`reduce`.
       residual_dtype: the residuals' dtype; None without error feedback.
     Returns:
-      The :class:`Unpacked` leaves. ``residuals_finite`` checks the new
-      residuals: with finite means, a non-finite one comes from a
-      non-finite ``acc`` (a non-finite value in what a device sent reaches
-      the sum, and so the mean, which the caller checks) or from the
-      residual dtype's range.
+      The :class:`Unpacked` leaves.
     """
     updates, residuals = list(leaves), [None] * len(leaves)
-    finite = []
     for group, mean, left in zip(plan.groups, means, kept, strict=True):
         for i, leaf in _split(mean, group, plan):
             updates[i] = leaf.astype(plan.dtypes[i])
         if residual_dtype is None or left is None:
             continue
-        error = left.astype(residual_dtype)
-        finite.append(error)
-        for i, leaf in _split(error, group, plan):
+        for i, leaf in _split(left.astype(residual_dtype), group, plan):
             residuals[i] = leaf
-    return Unpacked(updates, residuals, all_finite(finite))
+    return Unpacked(updates, residuals)

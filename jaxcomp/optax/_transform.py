@@ -133,15 +133,14 @@ def feedback(
     plan: Plan, state: CompressState, config: CommConfig, ok, out: Unpacked, servers, sizes
 ) -> Feedback:
     """The new residuals and server residuals, kept as they were unless
-    the mean, the residuals and the server residuals are all finite."""
-    keep = ok & out.residuals_finite
+    the mean is finite, and element by element where the new value is not
+    (``keep_finite``: no reduction over them, docs/benchmarks.md)."""
     server_residuals = ()
     if config.two_level:
-        keep = keep & all_finite(servers)
-        server_residuals = write_servers(state.server_residuals, servers, keep)
+        server_residuals = write_servers(state.server_residuals, servers, ok)
     residuals = ()
     if config.error_feedback:
-        residuals = write_residuals(plan, state.residuals, out.residuals, keep)
+        residuals = write_residuals(plan, state.residuals, out.residuals, ok)
     norm = jnp.zeros((), jnp.float32)
     if config.residual_norm:
         norm = global_norm(residuals, config.axes(sizes))
@@ -263,9 +262,9 @@ def compress_gradients(  # long: the public docstring; the body builds the confi
     ``step`` and ``key`` as they were, so the next step is the one that
     would have come had this gradient never been given, and counts itself
     in ``Telemetry.skipped_steps``; the flag is read from the mean, which
-    is identical on every device, so it costs no collective. A step that
-    would make one device's residual non-finite in a narrower
-    ``residual_dtype`` leaves that device's residuals as they were.
+    is identical on every device, so it costs no collective. A residual
+    element whose new value would not be finite (past a narrower
+    ``residual_dtype``'s range) keeps its old value.
 
     Args:
       codec: a :mod:`jaxcomp.codecs` codec for every leaf (or its spec
