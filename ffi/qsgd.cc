@@ -88,10 +88,14 @@ JC_AVX2 inline uint64_t or_lanes(__m256i v) {
   return static_cast<uint32_t>(_mm_cvtsi128_si32(s));
 }
 
-// Encode of one full float32 bucket (qsgd_code of qsgd.h per lane).
-template <int BITS>
+// Encode of one full float32 bucket (qsgd_code of qsgd.h per lane). With
+// KEEP, error feedback's new residual too: x - the value decode_bucket
+// gives each code, computed from the level and sign in the register (the
+// same product, sign flip and NaN rule), written to kept[0..B).
+template <int BITS, bool KEEP = false>
 JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, bool l2, uint32_t a, uint32_t b,
-                                                    uint32_t base, uint8_t* out, float* scale_out, __m256* scratch) {
+                                                    uint32_t base, uint8_t* out, float* scale_out, __m256* scratch,
+                                                    float* kept = nullptr) {
   const int s = (1 << (BITS - 1)) - 1;
   float scale;
   if (l2) {
@@ -110,6 +114,7 @@ JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, bool
   }
   *scale_out = scale;
   const __m256 inv = _mm256_set1_ps(qsgd_inv(scale, s));
+  const __m256 step = _mm256_set1_ps(qsgd_step(scale, s));  // decode_bucket's, for KEEP
   const __m256 fs = _mm256_set1_ps(static_cast<float>(s));
   const __m256i si = _mm256_set1_epi32(s);
   const __m256 zero = _mm256_setzero_ps();
@@ -127,6 +132,12 @@ JC_AVX2 __attribute__((noinline)) void encode_bucket(const float* x, int B, bool
     __m256i level = _mm256_min_epu32(_mm256_sub_epi32(fl, up), si);
     const __m256i sign = _mm256_srli_epi32(_mm256_castps_si256(_mm256_cmp_ps(v, zero, _CMP_LT_OQ)), 31);
     const __m256i code = _mm256_or_si256(_mm256_slli_epi32(sign, BITS - 1), level);
+    if constexpr (KEEP) {
+      const __m256 mag = _mm256_mul_ps(_mm256_cvtepi32_ps(level), step);
+      const __m256 hat = _mm256_xor_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(sign, 31)));
+      const __m256 canonical = _mm256_blendv_ps(hat, _mm256_set1_ps(NAN), _mm256_cmp_ps(hat, hat, _CMP_UNORD_Q));
+      _mm256_storeu_ps(kept + 8 * g, _mm256_sub_ps(v, canonical));
+    }
     if (BITS == 8) {
       const __m256i p16 = _mm256_packus_epi32(code, code);  // lanes 0-3, 0-3 | 4-7, 4-7
       const __m256i p8 = _mm256_packus_epi16(p16, p16);
@@ -275,9 +286,11 @@ struct DecodeScratch {
 };
 
 // Error feedback in one pass over buckets [b0, b1): each bucket's acc =
-// f32(x) + residual, encoded as encode_buckets_t encodes a float32 tensor
-// (the AVX2 path for full buckets), decoded as decode_buckets_t decodes it,
-// and acc - decoded written out; acc and the decoded values stay in cache.
+// f32(x) + residual, encoded as encode_buckets_t encodes a float32 tensor,
+// decoded as decode_buckets_t decodes it, and acc - decoded written out;
+// acc and the decoded values stay in cache. On the AVX2 path (full
+// buckets) the decoded values never leave the registers: the encode's loop
+// forms each from the level and sign it has just computed.
 struct FeedbackArgs {
   EncodeArgs enc;  // x, n, the attributes, the key, the payload
   const float* residual;
@@ -295,17 +308,15 @@ void feedback_buckets_t(const FeedbackArgs& f, int64_t b0, int64_t b1) {
     const int64_t valid = std::min<int64_t>(B, a.n - start);
     uint8_t* out = a.packed + b * (B / 8) * BITS;
     cpu::load_sum(a.dtype, a.x, f.residual, start, valid, B, t.buf.data());
-    bool done = false;
 #if JC_CPU_AVX2
-    if (AVX2 && valid == B) {
-      avx2::encode_bucket<BITS>(t.buf.data(), B, a.l2, t.ka, t.kb, static_cast<uint32_t>(start), out, a.scales + b,
-                                t.vectors.data());
-      done = true;
+    if (AVX2 && valid == B) {  // the residual comes out of the encode's loop
+      avx2::encode_bucket<BITS, true>(t.buf.data(), B, a.l2, t.ka, t.kb, static_cast<uint32_t>(start), out,
+                                      a.scales + b, t.vectors.data(), f.out + start);
+      continue;
     }
 #endif
-    if (!done)
-      encode_bucket_portable<BITS>(a, t.buf.data(), static_cast<uint32_t>(start), t.tmp.data(), t.codes.data(), out,
-                                   a.scales + b);
+    encode_bucket_portable<BITS>(a, t.buf.data(), static_cast<uint32_t>(start), t.tmp.data(), t.codes.data(), out,
+                                 a.scales + b);
     decode_bucket_f32<BITS, AVX2>(out, a.scales[b], B, hat.codes.data(), hat.values.data());
     cpu::store_residual(t.buf.data(), hat.values.data(), start, valid, f.out);
   }
