@@ -161,11 +161,16 @@ def _matmul(g: jax.Array, e: jax.Array | None, x: jax.Array, transpose: bool) ->
     return mm(g) if e is None else mm(g) + mm(e)
 
 
-def _compressed(gs, es, qs, axes):
+def _compressed(gs, es, qs, rest, axes):
     """PowerSGD's Algorithm 1 on every matrix at once: (approximations,
-    new Qs, new residuals, finite), identical on every device but the
-    residuals. A step whose factors are not finite keeps the residuals."""
-    ps = _flat_mean([_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)], axes)
+    new Qs, new residuals, finite, the means of ``rest``), identical on
+    every device but the residuals. A step whose factors are not finite
+    keeps the residuals. ``rest`` (float32 leaves averaged exactly) goes in
+    the all-reduce of the Ps: one collective, one latency, less a step."""
+    first = _flat_mean(
+        [_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)] + list(rest), axes
+    )
+    ps, rest_means = first[: len(gs)], first[len(gs) :]
     ps = [orthogonalize(p) for p in ps]
     new_qs = _flat_mean([_matmul(g, e, p, True) for g, e, p in zip(gs, es, ps, strict=True)], axes)
     ok = all_finite(ps + new_qs)  # a non-finite M makes its factors non-finite
@@ -174,15 +179,19 @@ def _compressed(gs, es, qs, axes):
         None if e is None else jnp.where(ok, g + e - a, e)
         for g, e, a in zip(gs, es, approx, strict=True)
     ]
-    return approx, new_qs, res, ok
+    return approx, new_qs, res, ok, rest_means
 
 
-def _exact(gs, es, qs, axes):
-    """A warm-up step: the exact means, the Qs kept, no residual left."""
-    means = _flat_mean([g if e is None else g + e for g, e in zip(gs, es, strict=True)], axes)
+def _exact(gs, es, qs, rest, axes):
+    """A warm-up step: the exact means, the Qs kept, no residual left (and
+    the means of ``rest``, in the same all-reduce)."""
+    first = _flat_mean(
+        [g if e is None else g + e for g, e in zip(gs, es, strict=True)] + list(rest), axes
+    )
+    means, rest_means = first[: len(gs)], first[len(gs) :]
     ok = all_finite(means)
     res = [None if e is None else jnp.where(ok, 0.0, e) for e in es]
-    return means, qs, res, ok
+    return means, qs, res, ok, rest_means
 
 
 class Matrices(NamedTuple):
@@ -198,12 +207,14 @@ class Matrices(NamedTuple):
 class LowRankMean(NamedTuple):
     """What :func:`_compressed` (or :func:`_exact`) returns, in
     ``plan.matrices`` order: the approximations, the new Qs, the new
-    residuals, and whether the factors were finite."""
+    residuals, and whether the factors were finite; then the exact means
+    of the other leaves that went in the same all-reduce (``PowerSGD.folded``)."""
 
     approx: list
     qs: list
     residuals: list
     ok: jax.Array
+    rest: list
 
 
 class LeafState(NamedTuple):
@@ -310,7 +321,8 @@ class PowerSGD:
         leaves = self.exact_over_fast(plan, plan.treedef.flatten_up_to(grads))
         matrices = self.pack(plan, leaves, old, state.step)
         in_warmup = state.step < self.config.warmup_steps
-        low = self.reduce(matrices, in_warmup)
+        folded = [leaves[i] for i in plan.rest] if self.folded(plan, leaves) else []
+        low = self.reduce(matrices, in_warmup, folded)
         out, new = self.unpack(plan, leaves, low, old)
         rest_out, rest_state = self.reduce_rest(plan, leaves, low, state.rest)
         for i, v in zip(plan.rest, rest_out, strict=True):
@@ -347,14 +359,23 @@ class PowerSGD:
         ]
         return Matrices(gs, es, qs)
 
-    def reduce(self, matrices: Matrices, in_warmup) -> LowRankMean:
+    def folded(self, plan: LowRankPlan, leaves: list) -> bool:
+        """Whether the other leaves are averaged in the matrices' first
+        all-reduce: exactly (no ``rest`` codec), all float32."""
+        return (
+            self.rest is None
+            and bool(plan.rest)
+            and all(leaves[i].dtype == jnp.float32 for i in plan.rest)
+        )
+
+    def reduce(self, matrices: Matrices, in_warmup, folded: list) -> LowRankMean:
         """PowerSGD's all-reduces of the factors, or in a warm-up step the
-        exact means of the matrices."""
+        exact means of the matrices; ``folded``'s exact means in the first."""
         compressed = functools.partial(_compressed, axes=self.slow)
         if self.config.never_warm:
-            return LowRankMean(*compressed(*matrices))
+            return LowRankMean(*compressed(*matrices, folded))
         exact = functools.partial(_exact, axes=self.slow)
-        return LowRankMean(*lax.cond(in_warmup, exact, compressed, *matrices))
+        return LowRankMean(*lax.cond(in_warmup, exact, compressed, *matrices, folded))
 
     def unpack(self, plan: LowRankPlan, leaves: list, low: LowRankMean, old: LeafState):
         """The updates (the approximations in the matrices' places, the
@@ -374,7 +395,10 @@ class PowerSGD:
         """The other leaves' mean and ``rest``'s state: exact, one
         ``lax.pmean`` per dtype, or through ``rest``'s codec. After the
         matrices' collectives: one order of collectives on every device
-        (``jc.collectives.after``)."""
+        (``jc.collectives.after``). Folded into the first all-reduce
+        (:meth:`folded`), they are already there."""
+        if low.rest:
+            return list(low.rest), rest_state
         rest_in = after([leaves[i] for i in plan.rest], (low.approx, low.qs))
         if self.rest is not None and plan.rest:
             return self.rest.update(rest_in, rest_state)
@@ -438,8 +462,9 @@ def powersgd(  # long: the public docstring; the body checks the options
     2019, Algorithms 1 and 2; the matmuls and the orthogonalization in
     float32 whatever the gradient's dtype). All the P go in one all-reduce,
     all the Q in another. The other leaves (vectors, small matrices) are
-    averaged exactly in one more all-reduce, or by ``compress_gradients``
-    with the codec ``rest``.
+    averaged exactly, in the P's all-reduce where they are all float32 (no
+    collective of their own: one latency less a step) or else in one more,
+    or by ``compress_gradients`` with the codec ``rest``.
 
     Over any number of steps, the updates applied (times the number of
     devices) plus the residuals equal the sum of the gradients (tested).
