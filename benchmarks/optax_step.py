@@ -6,6 +6,7 @@ then sgd), on N CPU devices of one process.
     python benchmarks/optax_step.py --devices 4 --codecs qsgd:bits=4 onebit
     python benchmarks/optax_step.py --devices 4 --matrices 4 --bare   # 4 x 2048x2048
     python benchmarks/optax_step.py --devices 4 --matrices 4 --codecs powersgd:rank=4 qsgd:bits=4
+    python benchmarks/optax_step.py --devices 4 --matrices 4 --bare --reps 9 --rounds 3
 
 Each step takes per-device gradients and the optimizer state and returns the
 new parameters and state (jit + shard_map, state donated), so it times the
@@ -22,6 +23,12 @@ and the minor page faults and system time per step. XLA's CPU runtime
 allocates the temporaries afresh at every run, and the kernel zeroes every
 page of them on first touch, so on the CPU a temporary costs about as much
 as a pass that writes it.
+
+Every step is compiled first, then timed: ``--reps`` steps each, in a
+row (the default), or with ``--rounds R`` in R interleaved rounds of
+``reps / R`` steps of every step in turn, so that a change in the
+machine's load over the run falls on every row alike rather than on the
+rows timed while it lasted (the ratios are what this benchmark is for).
 
 ``--bare`` adds, per codec, the bare all-reduce with the same codec and
 algorithm (``jc.pmean(grad).value`` of every leaf, then sgd: no error
@@ -58,6 +65,13 @@ def main() -> int:
     ap.add_argument("--devices", type=int, default=8)
     ap.add_argument("--codecs", nargs="+", default=["qsgd:bits=4", "onebit", "int8", "bf16"])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time every step in R interleaved rounds of reps/R steps each (the machine's "
+        "drift then falls on every row alike); 1: each step's reps in a row",
+    )
     ap.add_argument(
         "--matrices",
         type=int,
@@ -173,17 +187,34 @@ def main() -> int:
         system = (r1.ru_stime - r0.ru_stime) / steps * 1e3
         footprints.append(f"| {label} | {temp / 2**20:.0f} | {faults:.0f} | {system:.0f} |")
 
-    def timed(step, state):
+    jobs: list[dict] = []  # every timed step, run by run_rounds
+
+    def timed(step, state) -> dict:
+        """Compiles ``step`` and runs it once; :func:`run_rounds` times it."""
         f = jax.jit(step, donate_argnums=(1,))
         p, state = f(params, state, grads)
         jax.block_until_ready(p)
-        times = []
-        for _ in range(args.reps):
-            t0 = time.perf_counter()
-            p, state = f(p, state, grads)
-            jax.block_until_ready(p)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        del p  # every timed call starts from params: one copy of them, not one per job
+        job = {"f": f, "state": state, "times": []}
+        jobs.append(job)
+        return job
+
+    def run_rounds() -> None:
+        """``--reps`` steps of every job, in ``--rounds`` interleaved rounds."""
+        rounds = max(1, min(args.rounds, args.reps))
+        for r in range(rounds):
+            n = args.reps // rounds + (r < args.reps % rounds)
+            for job in jobs:
+                state = job["state"]
+                for _ in range(n):
+                    t0 = time.perf_counter()
+                    p, state = job["f"](params, state, grads)
+                    jax.block_until_ready(p)
+                    job["times"].append(time.perf_counter() - t0)
+                job["state"] = state
+
+    def ms(job: dict) -> float:
+        return statistics.median(job["times"])
 
     sgd = optax.sgd(1e-3)
 
@@ -251,28 +282,30 @@ def main() -> int:
         state = (sgd.init(params), *jax.device_put((residuals, payloads), per_device))
         return make_step(update, (P(), P(axis), P(axis))), state
 
-    base = timed(make_step(plain), sgd.init(params))
+    base_job = timed(make_step(plain), sgd.init(params))
     if args.profile:
         footprint(make_step(plain), sgd.init(params), "`lax.pmean` + sgd")
-    print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps")
-    print(jc._ffi.kernels_line())  # the twins run where the kernels did not load
     extra = [c for c, on in (("x bare jc.pmean", args.bare), ("x floor", args.floor)) if on]
     blank = " |" * len(extra)
-    print("| step | ms | x plain pmean step |" + "".join(f" {c} |" for c in extra))
-    print("|---|---|---|" + "---|" * len(extra))
-    print(f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + blank)
+    rows = []  # functions of base (ms of the plain step) -> table row, once timed
+    rows.append(lambda base: f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + blank)
     for spec in args.codecs:
         if spec.startswith("powersgd"):  # "powersgd:rank=R": jc.optax.powersgd, no codec
             rank = int(spec.partition("rank=")[2] or 4)
             tx = optax.chain(jc.optax.powersgd(axis, rank), sgd)
             state = jc.optax.init(tx, params, mesh, axis)
-            t = timed(
+            job = timed(
                 make_step(
                     lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)
                 ),
                 state,
             )
-            print(f"| `{spec}` jc.optax.powersgd + sgd | {t * 1e3:.1f} | {t / base:.2f} |" + blank)
+            rows.append(
+                lambda base, spec=spec, job=job: (
+                    f"| `{spec}` jc.optax.powersgd + sgd "
+                    f"| {ms(job) * 1e3:.1f} | {ms(job) / base:.2f} |" + blank
+                )
+            )
             continue
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
@@ -284,7 +317,7 @@ def main() -> int:
         )
         tx = optax.chain(ctx, sgd)
         state = jc.optax.init(tx, params, mesh, axis)
-        t = timed(
+        full = timed(
             make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), jc.optax.state_specs(state, axis)),
             state,
         )
@@ -306,18 +339,25 @@ def main() -> int:
             )
         ratios = []  # the full update against the bare all-reduce and the floor
         if args.bare:
-            tb = timed(make_step(bare_pmean(codec)), sgd.init(params))
-            ratios.append(tb)
-            print(
-                f"| `{spec}` bare jc.pmean (value only) + sgd | {tb * 1e3:.1f} | {tb / base:.2f} "
-                "| 1.00 |" + (" |" if args.floor else "")
+            bare_job = timed(make_step(bare_pmean(codec)), sgd.init(params))
+            ratios.append(bare_job)
+            rows.append(
+                lambda base, spec=spec, j=bare_job: (
+                    f"| `{spec}` bare jc.pmean (value only) + sgd "
+                    f"| {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} | 1.00 |"
+                    + (" |" if args.floor else "")
+                )
             )
         if args.floor:
-            tf = timed(*floor(codec))
-            ratios.append(tf)
-            print(
-                f"| `{spec}` floor: `lax.pmean` + sgd + one EF pass in jnp | {tf * 1e3:.1f} "
-                f"| {tf / base:.2f} |" + (" |" if args.bare else "") + " 1.00 |"
+            floor_job = timed(*floor(codec))
+            ratios.append(floor_job)
+            rows.append(
+                lambda base, spec=spec, j=floor_job: (
+                    f"| `{spec}` floor: `lax.pmean` + sgd + one "
+                    f"EF pass in jnp | {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} |"
+                    + (" |" if args.bare else "")
+                    + " 1.00 |"
+                )
             )
         alg = args.algorithm
         if alg == "auto":
@@ -325,10 +365,21 @@ def main() -> int:
         levels = "two-level" if args.server_error_feedback else "one-level"
         if not args.error_feedback:
             levels = "no"
-        print(
-            f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
-            f"| {t * 1e3:.1f} | {t / base:.2f} |" + "".join(f" {t / r:.2f} |" for r in ratios)
+        rows.append(
+            lambda base, spec=spec, alg=alg, levels=levels, j=full, ratios=ratios: (
+                f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
+                f"| {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} |"
+                + "".join(f" {ms(j) / ms(r):.2f} |" for r in ratios)
+            )
         )
+    run_rounds()
+    rounds = "" if args.rounds <= 1 else f", in {min(args.rounds, args.reps)} interleaved rounds"
+    print(f"{args.devices} devices, {n} float32 parameters, median of {args.reps} steps{rounds}")
+    print(jc._ffi.kernels_line())  # the twins run where the kernels did not load
+    print("| step | ms | x plain pmean step |" + "".join(f" {c} |" for c in extra))
+    print("|---|---|---|" + "---|" * len(extra))
+    for row in rows:
+        print(row(ms(base_job)))
     if footprints:
         print("\nMemory: temporaries of the compiled step, what they cost at run time")
         print("| step | temp MiB per device | minor page faults per step | system ms per step |")
