@@ -216,6 +216,17 @@ def main() -> int:
     def ms(job: dict) -> float:
         return statistics.median(job["times"])
 
+    def row(label: str, job: dict, tail=""):
+        """``job``'s table row, a function of the plain step's ms, for once
+        it is timed: ms, x the plain step, then the cells ``tail`` (a string,
+        or a function that makes them from the timings)."""
+
+        def cells(base: float) -> str:
+            rest = tail() if callable(tail) else tail
+            return f"| {label} | {ms(job) * 1e3:.1f} | {ms(job) / base:.2f} |" + rest
+
+        return cells
+
     sgd = optax.sgd(1e-3)
 
     def make_step(update, state_specs=None):
@@ -287,8 +298,7 @@ def main() -> int:
         footprint(make_step(plain), sgd.init(params), "`lax.pmean` + sgd")
     extra = [c for c, on in (("x bare jc.pmean", args.bare), ("x floor", args.floor)) if on]
     blank = " |" * len(extra)
-    rows = []  # functions of base (ms of the plain step) -> table row, once timed
-    rows.append(lambda base: f"| `lax.pmean` + sgd | {base * 1e3:.1f} | 1.00 |" + blank)
+    rows = [row("`lax.pmean` + sgd", base_job, blank)]
     for spec in args.codecs:
         if spec.startswith("powersgd"):  # "powersgd:rank=R": jc.optax.powersgd, no codec
             rank = int(spec.partition("rank=")[2] or 4)
@@ -300,12 +310,7 @@ def main() -> int:
                 ),
                 state,
             )
-            rows.append(
-                lambda base, spec=spec, job=job: (
-                    f"| `{spec}` jc.optax.powersgd + sgd "
-                    f"| {ms(job) * 1e3:.1f} | {ms(job) / base:.2f} |" + blank
-                )
-            )
+            rows.append(row(f"`{spec}` jc.optax.powersgd + sgd", job, blank))
             continue
         codec = jc.codecs.get(spec)
         ctx = jc.optax.compress_gradients(
@@ -341,24 +346,14 @@ def main() -> int:
         if args.bare:
             bare_job = timed(make_step(bare_pmean(codec)), sgd.init(params))
             ratios.append(bare_job)
-            rows.append(
-                lambda base, spec=spec, j=bare_job: (
-                    f"| `{spec}` bare jc.pmean (value only) + sgd "
-                    f"| {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} | 1.00 |"
-                    + (" |" if args.floor else "")
-                )
-            )
+            tail = " 1.00 |" + (" |" if args.floor else "")
+            rows.append(row(f"`{spec}` bare jc.pmean (value only) + sgd", bare_job, tail))
         if args.floor:
             floor_job = timed(*floor(codec))
             ratios.append(floor_job)
-            rows.append(
-                lambda base, spec=spec, j=floor_job: (
-                    f"| `{spec}` floor: `lax.pmean` + sgd + one "
-                    f"EF pass in jnp | {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} |"
-                    + (" |" if args.bare else "")
-                    + " 1.00 |"
-                )
-            )
+            tail = (" |" if args.bare else "") + " 1.00 |"
+            label = f"`{spec}` floor: `lax.pmean` + sgd + one EF pass in jnp"
+            rows.append(row(label, floor_job, tail))
         alg = args.algorithm
         if alg == "auto":
             alg = f"auto: {jc.collectives.choose_algorithm(codec, n, args.devices)}"
@@ -366,10 +361,10 @@ def main() -> int:
         if not args.error_feedback:
             levels = "no"
         rows.append(
-            lambda base, spec=spec, alg=alg, levels=levels, j=full, ratios=ratios: (
-                f"| `{spec}` compress_gradients ({alg}, {levels} EF) + sgd "
-                f"| {ms(j) * 1e3:.1f} | {ms(j) / base:.2f} |"
-                + "".join(f" {ms(j) / ms(r):.2f} |" for r in ratios)
+            row(
+                f"`{spec}` compress_gradients ({alg}, {levels} EF) + sgd",
+                full,
+                lambda j=full, ratios=ratios: "".join(f" {ms(j) / ms(r):.2f} |" for r in ratios),
             )
         )
     run_rounds()

@@ -134,6 +134,12 @@ def _flat_mean(parts: list[jax.Array], axes) -> list[jax.Array]:
     return out
 
 
+def _mean_with(parts: list, rest: list, axes) -> tuple[list, list]:
+    """The means of ``parts`` and of ``rest``, in one ``lax.pmean``."""
+    means = _flat_mean(list(parts) + list(rest), axes)
+    return means[: len(parts)], means[len(parts) :]
+
+
 def _outer(p: jax.Array, q: jax.Array) -> jax.Array:
     """``p @ q.T`` for a small rank: as a sum of r outer products written
     element-wise, XLA fuses it with what consumes it (the residual, the
@@ -167,10 +173,9 @@ def _compressed(gs, es, qs, rest, axes):
     every device but the residuals. A step whose factors are not finite
     keeps the residuals. ``rest`` (float32 leaves averaged exactly) goes in
     the all-reduce of the Ps: one collective, one latency, less a step."""
-    first = _flat_mean(
-        [_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)] + list(rest), axes
+    ps, rest_means = _mean_with(
+        [_matmul(g, e, q, False) for g, e, q in zip(gs, es, qs, strict=True)], rest, axes
     )
-    ps, rest_means = first[: len(gs)], first[len(gs) :]
     ps = [orthogonalize(p) for p in ps]
     new_qs = _flat_mean([_matmul(g, e, p, True) for g, e, p in zip(gs, es, ps, strict=True)], axes)
     ok = all_finite(ps + new_qs)  # a non-finite M makes its factors non-finite
@@ -185,10 +190,9 @@ def _compressed(gs, es, qs, rest, axes):
 def _exact(gs, es, qs, rest, axes):
     """A warm-up step: the exact means, the Qs kept, no residual left (and
     the means of ``rest``, in the same all-reduce)."""
-    first = _flat_mean(
-        [g if e is None else g + e for g, e in zip(gs, es, strict=True)] + list(rest), axes
+    means, rest_means = _mean_with(
+        [g if e is None else g + e for g, e in zip(gs, es, strict=True)], rest, axes
     )
-    means, rest_means = first[: len(gs)], first[len(gs) :]
     ok = all_finite(means)
     res = [None if e is None else jnp.where(ok, 0.0, e) for e in es]
     return means, qs, res, ok, rest_means
