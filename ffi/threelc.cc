@@ -1,5 +1,5 @@
 // 3LC on the CPU (Lim, Andersen, Kaminsky, SysML 2019, section 3): the
-// handlers of kThreelcEncode and kThreelcDecode. The targets, bodies, sizes
+// handlers of kThreelcEncode, kThreelcEncodeFeedback and kThreelcDecode. The targets, bodies, sizes
 // and checks in include/jaxcomp/threelc.h; twin in jaxcomp/codecs/threelc.py.
 //
 // Encode, each pass threaded:
@@ -13,6 +13,12 @@
 //      prefix sum gives each partition's output offset, and a second pass
 //      writes. Each run is split greedily from its own start, so the output
 //      is byte-identical to the serial encoding whatever the partitioning.
+// Error feedback (kThreelcEncodeFeedback) reads the gradient and the
+// residual in passes 1 and 2, forming acc = f32(x) + residual (one float32
+// add per element) in registers each time; pass 2 also writes the new
+// residual acc - m * q, the value decode gives, so no acc and no decoded
+// tensor are written out. Should the stream overflow its buffer (decode then
+// gives NaN), a last pass writes acc - NaN, as the separate calls would.
 // Decode: count each partition's expanded size and check it (canonical
 // pairs, also across partition boundaries), prefix sum, check the total,
 // expand into the work buffer, then dequantize over the elements.
@@ -69,6 +75,71 @@ JC_CPU_LOOP void pack_bytes(const T* x, int64_t n, int64_t M, float m, int64_t i
   for (; i < i1; ++i) {
     b[i] = base3_pack(digit_at(x, n, i, m), digit_at(x, n, M + i, m), digit_at(x, n, 2 * M + i, m),
                       digit_at(x, n, 3 * M + i, m), digit_at(x, n, 4 * M + i, m));
+  }
+}
+
+// max|f32(x) + residual| over [i0, i1), as abs bits.
+template <typename T>
+JC_CPU_LOOP uint32_t max_abs_sum_bits(const T* x, const float* r, int64_t i0, int64_t i1) {
+  uint32_t m = 0;
+  for (int64_t i = i0; i < i1; ++i) m = std::max(m, abs_bits(to_f32(x[i]) + r[i]));
+  return m;
+}
+
+// Digit of element e of acc = f32(x) + residual; writes its new residual,
+// acc minus the value decode gives (the NaN rule of common.h).
+template <typename T>
+inline uint32_t kept_digit(const T* x, const float* r, int64_t e, float m, float* out) {
+  const float acc = to_f32(x[e]) + r[e];
+  const uint32_t d = threelc_digit(acc, m);
+  out[e] = acc - canonical_nan(threelc_value(d, m));
+  return d;
+}
+
+// kept_digit over `len` consecutive elements, the digits into d: one plane's
+// part of a chunk of bytes, a contiguous loop that vectorizes.
+template <typename T>
+inline void kept_digits(const T* x, const float* r, float m, int64_t len, uint8_t* d, float* out) {
+  for (int64_t j = 0; j < len; ++j) d[j] = static_cast<uint8_t>(kept_digit(x, r, j, m, out));
+}
+
+// pack_bytes of acc = f32(x) + residual, writing the new residual of the
+// elements of bytes [i0, i1) as well: in chunks of bytes, each plane's
+// digits first (in cache), then the bytes.
+template <typename T>
+JC_CPU_LOOP void pack_bytes_kept(const T* x, const float* r, int64_t n, int64_t M, float m, int64_t i0, int64_t i1,
+                                 uint8_t* b, float* out) {
+  constexpr int64_t kChunk = 1024;
+  uint8_t d[5][kChunk];
+  const int64_t full = std::max<int64_t>(i0, std::min<int64_t>(i1, n - 4 * M));
+  for (int64_t c0 = i0; c0 < full; c0 += kChunk) {
+    const int64_t len = std::min<int64_t>(kChunk, full - c0);
+    for (int p = 0; p < 5; ++p) {
+      const int64_t e = p * M + c0;
+      kept_digits<T>(x + e, r + e, m, len, d[p], out + e);
+    }
+    for (int64_t j = 0; j < len; ++j)
+      b[c0 + j] = static_cast<uint8_t>(d[0][j] * 81u + d[1][j] * 27u + d[2][j] * 9u + d[3][j] * 3u + d[4][j]);
+  }
+  for (int64_t i = full; i < i1; ++i) {
+    uint32_t q[5];
+    for (int p = 0; p < 5; ++p) {
+      const int64_t e = p * M + i;
+      q[p] = e < n ? kept_digit(x, r, e, m, out) : 1u;
+    }
+    b[i] = base3_pack(q[0], q[1], q[2], q[3], q[4]);
+  }
+}
+
+// The new residual of an overflowed stream, which decodes to NaN: acc -
+// NaN as the processor subtracts, acc's own NaN (quieted) where acc is one,
+// else the canonical NaN. (Written as a subtraction of a constant NaN, the
+// compiler adds -NaN instead, which flips the sign bit.)
+template <typename T>
+JC_CPU_LOOP void residual_of_nan(const T* x, const float* r, int64_t i0, int64_t i1, float* out) {
+  for (int64_t i = i0; i < i1; ++i) {
+    const float acc = to_f32(x[i]) + r[i];
+    out[i] = bits_f32(acc != acc ? f32_bits(acc) | 0x00400000u : 0x7fc00000u);
   }
 }
 
@@ -149,6 +220,8 @@ void fill(T* out, int64_t e0, int64_t e1, T v) {
 struct EncodeArgs {
   DType dtype;
   const void* x;
+  const float* residual;  // error feedback: x's residual, else null
+  float* kept;            // error feedback: the new residual, else null
   int64_t n;
   float s;
   uint8_t* stream;
@@ -171,6 +244,22 @@ struct DecodeArgs {
   uint8_t* work;
 };
 
+// The largest abs bits of a.x (+ a.residual), over the threads.
+uint32_t max_bits(Runner& runner, const EncodeArgs& a) {
+  std::atomic<uint32_t> mx{0};
+  with_type(a.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    const T* xd = static_cast<const T*>(a.x);
+    parallel_for(runner, a.n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+      const uint32_t local = a.residual ? max_abs_sum_bits<T>(xd, a.residual, i0, i1) : max_abs_bits<T>(xd, i0, i1);
+      uint32_t cur = mx.load();
+      while (local > cur && !mx.compare_exchange_weak(cur, local)) {
+      }
+    });
+  });
+  return mx.load();
+}
+
 void encode(Runner& runner, const EncodeArgs& a) {
   const int64_t n = a.n, cap = a.cap;
   const int64_t M = base3_bytes(n);
@@ -178,30 +267,24 @@ void encode(Runner& runner, const EncodeArgs& a) {
   uint8_t* b = a.work;
 
   // 1. The scale.
-  std::atomic<uint32_t> mx{0};
-  with_type(a.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    const T* xd = static_cast<const T*>(a.x);
-    parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
-      const uint32_t local = max_abs_bits<T>(xd, i0, i1);
-      uint32_t cur = mx.load();
-      while (local > cur && !mx.compare_exchange_weak(cur, local)) {
-      }
-    });
-  });
+  const uint32_t mx = max_bits(runner, a);
   float m;
   {
     FlushDenormals fd;  // as XLA computes the product
-    m = threelc_scale(mx.load(), a.s);
+    m = threelc_scale(mx, a.s);
   }
   a.scale[0] = m;
 
-  // 2. Quantize and pack.
+  // 2. Quantize and pack (and, under error feedback, the new residual).
   with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* xd = static_cast<const T*>(a.x);
-    parallel_for(runner, M, kElementsPerTask / 5,
-                 [&](int64_t i0, int64_t i1) { pack_bytes<T>(xd, n, M, m, i0, i1, b); });
+    parallel_for(runner, M, kElementsPerTask / 5, [&](int64_t i0, int64_t i1) {
+      if (a.residual)
+        pack_bytes_kept<T>(xd, a.residual, n, M, m, i0, i1, b, a.kept);
+      else
+        pack_bytes<T>(xd, n, M, m, i0, i1, b);
+    });
   });
 
   // 3. Zero-run encoding: count per partition, prefix sum, write.
@@ -220,6 +303,16 @@ void encode(Runner& runner, const EncodeArgs& a) {
   if (total < cap) std::memset(out + total, 0, cap - total);
   a.length[0] = static_cast<int32_t>(total);
   a.overflow[0] = total > cap ? 1 : 0;
+
+  // 4. Error feedback of an overflowed stream: it decodes to NaN.
+  if (a.residual && total > cap) {
+    with_type(a.dtype, [&](auto tag) {
+      using T = decltype(tag);
+      parallel_for(runner, n, kElementsPerTask, [&](int64_t i0, int64_t i1) {
+        residual_of_nan<T>(static_cast<const T*>(a.x), a.residual, i0, i1, a.kept);
+      });
+    });
+  }
 }
 
 // Returns "" or what makes the stream corrupted.
@@ -321,8 +414,29 @@ ffi::Error EncodeImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::ResultBuffer<
   const char* error =
       threelc_check_encode(dt, n, sparsity_bits, cap, b.count(2), b.count(3), b.count(4), b.count(5));
   return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
-    encode(runner, EncodeArgs{dt, b.at<void>(0, i), n, threelc_sparsity(sparsity_bits), b.at<uint8_t>(1, i), cap,
-                              b.at<float>(2, i), b.at<int32_t>(3, i), b.at<uint8_t>(4, i), b.at<uint8_t>(5, i)});
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), nullptr, nullptr, n, threelc_sparsity(sparsity_bits),
+                              b.at<uint8_t>(1, i), cap, b.at<float>(2, i), b.at<int32_t>(3, i), b.at<uint8_t>(4, i),
+                              b.at<uint8_t>(5, i)});
+  });
+}
+
+// Error feedback: x and its float32 residual -> the payload of f32(x) +
+// residual and the new residual, in one call.
+ffi::Error EncodeFeedbackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> residual,
+                              ffi::ResultBuffer<ffi::U8> stream, ffi::ResultBuffer<ffi::F32> scale,
+                              ffi::ResultBuffer<ffi::S32> length, ffi::ResultBuffer<ffi::U8> overflow,
+                              ffi::ResultBuffer<ffi::F32> kept, ffi::ResultBuffer<ffi::U8> work,
+                              int64_t sparsity_bits) {
+  const Batch b(x, residual, *stream, *scale, *length, *overflow, *kept, *work);
+  const DType dt = dtype_of(x.element_type());
+  const int64_t n = b.count(0), cap = b.count(2);
+  const char* error = threelc_check_feedback(dt, n, sparsity_bits, cap, b.count(1), b.count(3), b.count(4),
+                                             b.count(5), b.count(6), b.count(7));
+  hint_huge_pages(kept->untyped_data(), static_cast<int64_t>(kept->size_bytes()));
+  return run_batch(pool, b, error, n, [&](int64_t i, Runner& runner) {
+    encode(runner, EncodeArgs{dt, b.at<void>(0, i), b.at<const float>(1, i), b.at<float>(6, i), n,
+                              threelc_sparsity(sparsity_bits), b.at<uint8_t>(2, i), cap, b.at<float>(3, i),
+                              b.at<int32_t>(4, i), b.at<uint8_t>(5, i), b.at<uint8_t>(7, i)});
   });
 }
 
@@ -347,6 +461,7 @@ ffi::Error DecodeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> stream, ffi::Bu
 }
 
 JAXCOMP_REGISTER(kThreelcEncode, EncodeImpl);
+JAXCOMP_REGISTER(kThreelcEncodeFeedback, EncodeFeedbackImpl);
 JAXCOMP_REGISTER(kThreelcDecode, DecodeImpl);
 
 }  // namespace

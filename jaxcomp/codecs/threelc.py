@@ -105,6 +105,7 @@ class ThreeLC(VariableRateCodec):
     name: ClassVar[str] = "threelc"
     codec_id: ClassVar[int] = 7
     elementwise_decode: ClassVar[bool] = False  # zero-run decoding is a scan
+    feedback_kernel: ClassVar[bool] = True
 
     @property
     def recompression(self) -> str:  # type: ignore[override]
@@ -180,6 +181,32 @@ class ThreeLC(VariableRateCodec):
             (self.output(payload),),
             scratch=(array(work_nbytes(n, payload["stream"].shape[0]), np.uint8),),
         )[0]
+
+    def _feedback_fused(self, flat, res, key, backend, shape):
+        # The one-pass kernel (ffi/threelc.cc): the scale of acc = f32(x) +
+        # residual, then its digits and new residual in one pass, then the
+        # zero-run encoding; the twin is the three calls.
+        n = flat.size
+        if n == 0:
+            return self._feedback_by_calls(flat, res, key, backend, shape)
+        cap = self.stream_capacity(n)
+        layout = self.arrays(n, jnp.float32)
+
+        def twin(flat, res):
+            acc = flat.astype(jnp.float32) + res
+            arrays = encode_ref(acc, self.sparsity, cap)
+            return (*arrays, acc - decode_ref(*arrays, n, jnp.float32))
+
+        outs = self.kernel(
+            backend,
+            "jaxcomp_threelc_encode_feedback",
+            twin,
+            (flat, res),
+            (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
+            scratch=(array(work_nbytes(n, cap), np.uint8),),
+            sparsity_bits=sparsity_bits(self.sparsity),
+        )
+        return self.payload(tuple(outs[:-1]), shape, jnp.float32), outs[-1].reshape(shape)
 
     # -- variable rate (VariableRateCodec) ---------------------------------
     def capacity_tiers(self, n: int) -> tuple[int, ...]:

@@ -101,6 +101,15 @@ inline const char* threelc_check_encode(DType x, int64_t n, int64_t sparsity_bit
   return threelc_check_buffers(n, capacity, scale, length, overflow, work);
 }
 
+// Error feedback: x of n elements and its float32 residual -> the encode's
+// buffers and the new residual (float32, n elements).
+inline const char* threelc_check_feedback(DType x, int64_t n, int64_t sparsity_bits, int64_t capacity,
+                                          int64_t residual, int64_t scale, int64_t length, int64_t overflow,
+                                          int64_t kept, int64_t work) {
+  if (residual != n || kept != n) return "the residual and the new residual must have x's length";
+  return threelc_check_encode(x, n, sparsity_bits, capacity, scale, length, overflow, work);
+}
+
 // Stream of `capacity` bytes, scale, length, overflow -> out of n elements, work.
 inline const char* threelc_check_decode(DType out, int64_t n, int64_t capacity, int64_t scale, int64_t length,
                                         int64_t overflow, int64_t work) {
@@ -120,6 +129,10 @@ inline const char* threelc_check_decode(DType out, int64_t n, int64_t capacity, 
 //           (threelc_sizes; what it holds is each backend's)
 inline constexpr Target kThreelcEncode{"jaxcomp_threelc_encode",
                                        "sparsity_bits"};  // float32 bits of s
+//   encode_feedback (CPU): x, residual (f32, x's length) -> stream, scale,
+//           length, overflow, the new residual (f32), work: the payload of
+//           f32(x) + residual and what it leaves out, in one call
+inline constexpr Target kThreelcEncodeFeedback{"jaxcomp_threelc_encode_feedback", "sparsity_bits"};
 //   decode: stream, scale [1], length [1], overflow [1] -> flat output, work
 inline constexpr Target kThreelcDecode{"jaxcomp_threelc_decode"};
 
