@@ -7,6 +7,7 @@ then sgd), on N CPU devices of one process.
     python benchmarks/optax_step.py --devices 4 --matrices 4 --bare   # 4 x 2048x2048
     python benchmarks/optax_step.py --devices 4 --matrices 4 --codecs powersgd:rank=4 qsgd:bits=4
     python benchmarks/optax_step.py --devices 4 --matrices 4 --bare --reps 9 --rounds 3
+    python benchmarks/optax_step.py --devices 4 --fast 2 --matrices 4 --bare   # 2 x 2, hierarchical
 
 Each step takes per-device gradients and the optimizer state and returns the
 new parameters and state (jit + shard_map, state donated), so it times the
@@ -97,6 +98,13 @@ def main() -> int:
     ap.add_argument(
         "--profile", action="store_true", help="per-operation profile of the full update"
     )
+    ap.add_argument(
+        "--fast",
+        type=int,
+        default=1,
+        help="F > 1: a (devices / F, F) mesh of axes (node, local), reduced over both "
+        "(the hierarchical algorithm)",
+    )
     ap.add_argument("--algorithm", default="auto", help="compress_gradients' algorithm")
     ap.add_argument(
         "--error-feedback",
@@ -126,8 +134,16 @@ def main() -> int:
     import jaxcomp as jc
     from jaxcomp.collectives import _feedback
 
-    axis = "data"
-    mesh = jax.make_mesh((args.devices,), (axis,))
+    if args.fast > 1:
+        # Two axes, ("node", "local"): jc's hierarchical algorithm (float32
+        # over the fast axis, the codec over the slow one).
+        if args.devices % args.fast:
+            raise SystemExit(f"--fast {args.fast} must divide --devices {args.devices}")
+        axis = ("node", "local")
+        mesh = jax.make_mesh((args.devices // args.fast, args.fast), axis)
+    else:
+        axis = "data"
+        mesh = jax.make_mesh((args.devices,), (axis,))
     # An MLP-like tree: two 1024x1024 and one 2048x1024 weight, biases.
     shapes = {"w1": (1024, 1024), "b1": (1024,), "w2": (1024, 2048), "b2": (2048,),
               "w3": (2048, 1024), "b3": (1024,)}  # fmt: skip
@@ -376,7 +392,10 @@ def main() -> int:
             label = f"`{spec}` floor: `lax.pmean` + sgd + one EF pass in jnp"
             rows.append(row(label, floor_job, tail))
         alg = args.algorithm
-        if alg == "auto":
+        if alg == "auto" and args.fast > 1:
+            slow = jc.collectives.choose_algorithm(codec, n // args.fast, args.devices // args.fast)
+            alg = f"auto: hierarchical, {slow} over node"
+        elif alg == "auto":
             alg = f"auto: {jc.collectives.choose_algorithm(codec, n, args.devices)}"
         levels = "two-level" if args.server_error_feedback else "one-level"
         if not args.error_feedback:

@@ -147,7 +147,7 @@ def test_a_residual_of_another_shape_or_dtype_is_refused():
     [
         (jc.codecs.QSGD(bits=4), "two_phase", 2),  # the first stage and the owner's
         (jc.codecs.OneBit(), "allgather", 1),
-        (jc.codecs.Int8(), "ring", 0),  # the separate calls, as before
+        (jc.codecs.Int8(), "ring", 3),  # the P - 1 hops; the owner's are separate
         (jc.codecs.TopK(fraction=0.01), "sparse", 1),  # the first stage; the dense one is raw
     ],
     ids=codec_id,
@@ -156,8 +156,10 @@ def test_compress_gradients_compresses_in_one_pass(codec, algorithm, calls):
     """On the CPU, ``compress_gradients``' compressions that keep what they
     miss run the one-pass kernel (a float32 leaf: every device's first
     compression, and the owner's with its server residual), and the step's
-    own payload is never decoded for the residual. The ring keeps the
-    separate calls: its owner needs the decoded chunk."""
+    own payload is never decoded for the residual. In the ring, each
+    scatter-reduce hop's compression with its server residual is one pass;
+    the owner's keeps the separate calls: its decoded chunk goes into the
+    all-gather."""
     mesh = jax.make_mesh((4,), ("d",), devices=jax.devices("cpu")[:4])
     tx = jc.optax.compress_gradients(codec, "d", algorithm=algorithm, min_compress_size=16)
     params = {"w": jnp.zeros((64, 64), jnp.float32)}
@@ -175,8 +177,45 @@ def test_compress_gradients_compresses_in_one_pass(codec, algorithm, calls):
     hlo = step.lower(params, state).compile().as_text()
     fused_target = f'"jaxcomp_{codec.name}_encode_feedback"'
     assert hlo.count(fused_target) == calls, hlo.count(fused_target)
-    if calls:
-        assert f'"jaxcomp_{codec.name}_encode"' not in hlo
+    # the ring's owner encodes apart, once; nothing else does
+    assert hlo.count(f'"jaxcomp_{codec.name}_encode"') == (algorithm == "ring")
+
+
+@needs_ffi
+@pytest.mark.skipif(len(jax.devices("cpu")) < 4, reason="needs 4 CPU devices")
+def test_hierarchical_compresses_its_slow_stage_in_one_pass():
+    """Over (node, local) axes, ``acc`` crosses the fast axis in full
+    precision and the slow stage's compression of the node-summed chunk
+    is its own error feedback: one pass, no separate encode or decode, and
+    nothing is lost (the updates and the residuals add up to the
+    gradients)."""
+    codec = jc.codecs.QSGD(bits=4)
+    axes = ("node", "local")
+    mesh = jax.make_mesh((2, 2), axes, devices=jax.devices("cpu")[:4])
+    tx = jc.optax.compress_gradients(codec, axes, min_compress_size=16)
+    params = {"w": jnp.zeros((64, 64), jnp.float32)}
+    state = jc.optax.init(tx, params, mesh, axes)
+    specs = jc.optax.state_specs(state, axes)
+    P = jax.sharding.PartitionSpec
+    step = jax.jit(
+        jax.shard_map(
+            lambda g, s: tx.update(jax.tree.map(lambda a: a[0], g), s),
+            mesh=mesh,
+            in_specs=(P(axes), specs),
+            out_specs=(P(), specs),
+            check_vma=False,
+        )
+    )
+    grads = {"w": gradient_like(4 * 64 * 64, seed=5).reshape(4, 64, 64)}
+    grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P(axes)))
+    hlo = step.lower(grads, state).compile().as_text()
+    assert hlo.count('"jaxcomp_qsgd_encode_feedback"') == 1
+    assert '"jaxcomp_qsgd_encode"' not in hlo
+    updates, state = step(grads, state)
+    residuals = np.asarray(state.residuals["w"], np.float64)  # [devices, 64, 64]
+    total = 4 * np.asarray(updates["w"], np.float64) + residuals.sum(0)
+    expected = np.asarray(grads["w"], np.float64).sum(0)
+    np.testing.assert_allclose(total, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
 def _registered_feedback_targets(folder: str) -> set[str]:

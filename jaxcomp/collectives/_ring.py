@@ -13,7 +13,7 @@ from jax import lax
 from jaxcomp.collectives._algorithm import Algorithm, Context, register
 from jaxcomp.collectives._chunks import chunked
 from jaxcomp.collectives._decode import decode_f32, decode_own
-from jaxcomp.collectives._feedback import owner_stage
+from jaxcomp.collectives._feedback import compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._tiers import own_capacity, transfer
 from jaxcomp.payload import Payload
@@ -99,19 +99,19 @@ def _add_row(a: jax.Array, i: jax.Array, v: jax.Array) -> jax.Array:
 def _scatter_reduce(ctx: Context, me, acc, sent, rows, dtype):
     """The P-1 scatter-reduce steps: ``(acc, sent, new_rows)``, ``acc``
     holding my reduced chunk at ``me + 1``; ``new_rows`` the steps' new
-    server residuals (with ``rows``), else their errors are in ``sent``."""
+    server residuals (with ``rows``: each step's compression of its partial
+    sum and its row, by :func:`compress_kept`, in one pass where the codec
+    has the kernel), else their errors are in ``sent``."""
     new_rows = []
     for s in range(ctx.size - 1):
         j = (me - s) % ctx.size  # chunk I send
         partial = lax.dynamic_index_in_dim(acc, j, keepdims=False)
         if rows is not None:
-            partial = partial + rows[s]
-        p = ctx.codec.encode(partial.astype(dtype), fold(ctx.key, s))
-        hat = decode_own(p)
-        if rows is not None:
-            new_rows.append(partial - hat)
+            p, row = compress_kept(ctx.codec, partial, rows[s], fold(ctx.key, s), dtype)
+            new_rows.append(row)
         else:
-            sent = _add_row(sent, j, hat - partial)
+            p = ctx.codec.encode(partial.astype(dtype), fold(ctx.key, s))
+            sent = _add_row(sent, j, decode_own(p) - partial)
         got, _ = _hop(ctx, p)
         acc = _add_row(acc, (me - 1 - s) % ctx.size, got)  # the chunk I receive
     return acc, sent, new_rows
