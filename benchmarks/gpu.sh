@@ -91,7 +91,7 @@ for step in "${steps[@]}"; do
       --log2-sizes ${SIZES:-26} --reps "${REPS:-3}" --json "$LOGS/codecs-gpu.json" --no-docs
     tail -n 50 "$LOGS/codecs.log"
     # Error feedback's compression: the CUDA one-pass kernels against the
-    # separate kernels and the twins fused by XLA (Int8, QSGD, OneBit).
+    # separate kernels and the twins fused by XLA (Int8, QSGD, OneBit, SignSGD, Natural, FP8, MX, TernGrad).
     run_step feedback timeout 90 "$PY" benchmarks/feedback.py --platform gpu --log2-n 26 --reps 5
     cat "$LOGS/feedback.log"
     ;;

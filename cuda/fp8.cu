@@ -1,5 +1,5 @@
-// FP8 on CUDA: the handlers of kFp8Encode and kFp8Decode, with the buffers,
-// checks and bytes of ffi/fp8.cc. Rounding in
+// FP8 on CUDA: the handlers of kFp8Encode, kFp8Decode and kFp8EncodeFeedback,
+// with the buffers, checks and bytes of ffi/fp8.cc. Rounding in
 // ffi/include/jaxcomp/minifloat.h: to nearest even by the conversion
 // instruction of sm_89 and later (mini_encode_rn, which keeps NaN and
 // infinity on the software path so that the bytes are the CPU's; checked on a
@@ -17,22 +17,33 @@ namespace jaxcomp {
 namespace cuda {
 namespace {
 
-template <typename T, bool STOCHASTIC>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_t: the
+// decoded values mini_value * step, NaN for a NaN step, as the decode kernel
+// computes them).
+template <typename T, bool STOCHASTIC, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    fp8_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g, int format,
-                      const uint32_t* __restrict__ seed, uint8_t* __restrict__ codes, float* __restrict__ scales) {
+    fp8_encode_kernel(Input<T, Feedback> in, int64_t num_buckets, Geometry g, int format,
+                      const uint32_t* __restrict__ seed, uint8_t* __restrict__ codes, float* __restrict__ scales,
+                      float* __restrict__ new_residual) {
   const Slot t = slot(g);
-  const float m = bucket_max_abs(x, n, t.start, g, t.lane);
+  const float m = bucket_max_abs(in, t.start, g, t.lane);
   if (t.bucket >= num_buckets) return;  // no __syncthreads() after this point
   const MiniFormat f = mini_format(format);
   if (t.lane == 0) scales[t.bucket] = m;
   const float inv = fp8_inv(m, f);
+  const float step = fp8_step(m, f);
   const uint32_t k0 = seed[0], k1 = seed[1];
   for (int e = t.lane; e < g.bucket; e += g.lanes) {
     const int64_t i = t.start + e;  // codes are padded to whole buckets
-    const float scaled = load1(x, i, n) * inv;
-    codes[i] = static_cast<uint8_t>(STOCHASTIC ? mini_encode(scaled, f, rng_uniform(k0, k1, static_cast<uint32_t>(i)))
-                                               : mini_encode_rn(scaled, f));
+    const float v = in.at(i);
+    const float scaled = v * inv;
+    const uint32_t code = STOCHASTIC ? mini_encode(scaled, f, rng_uniform(k0, k1, static_cast<uint32_t>(i)))
+                                     : mini_encode_rn(scaled, f);
+    codes[i] = static_cast<uint8_t>(code);
+    if constexpr (Feedback) {
+      if (i < in.n) new_residual[i] = v - canonical_nan(step != step ? NAN : mini_value(code & 0xffu, f) * step);
+    }
   }
 }
 
@@ -50,16 +61,30 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cuda_runtime.cuh), one tensor at a time
 // ---------------------------------------------------------------------------
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
-            float* scales, int64_t bucket, int64_t format, int64_t stochastic) {
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                   const uint32_t* seed, uint8_t* codes, float* scales, float* new_residual, int64_t bucket,
+                   int64_t format, int64_t stochastic) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true> : fp8_encode_kernel<T, false>;
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(static_cast<const T*>(x), n, nb, g, static_cast<int>(format),
-                                                          seed, codes, scales);
+    auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, static_cast<int>(format), seed, codes, scales,
+                                                          new_residual);
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
+            float* scales, int64_t bucket, int64_t format, int64_t stochastic) {
+  launch_encode<false>(stream, dt, x, nullptr, n, seed, codes, scales, nullptr, bucket, format, stochastic);
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                     const uint32_t* seed, uint8_t* codes, float* scales, float* new_residual, int64_t bucket,
+                     int64_t format, int64_t stochastic) {
+  launch_encode<true>(stream, dt, x, residual, n, seed, codes, scales, new_residual, bucket, format, stochastic);
 }
 
 void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const float* scales, int64_t n, void* out,
@@ -73,6 +98,7 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const float* sc
 using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kFp8Encode, Handlers::encode<fp8_check_encode, encode>);
 JAXCOMP_REGISTER(kFp8Decode, Handlers::decode<fp8_check_decode, decode>);
+JAXCOMP_REGISTER(kFp8EncodeFeedback, Handlers::feedback<fp8_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

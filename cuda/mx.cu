@@ -1,4 +1,4 @@
-// MX on CUDA: the handlers of kMxEncode and kMxDecode, with the buffers,
+// MX on CUDA: the handlers of kMxEncode, kMxDecode and kMxEncodeFeedback, with the buffers,
 // checks and bytes of ffi/mx.cc. One warp per block of 32 values
 // (a lane per value: the max over the warp's shuffles, the codes packed by
 // the lanes that own a byte group). Rounding and the E8M0 scale in
@@ -20,17 +20,20 @@ namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
 
-template <typename T, bool STOCHASTIC>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_f: the
+// decoded values as the decode kernel computes them, NaN for the NaN scale).
+template <typename T, bool STOCHASTIC, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    mx_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_blocks, int format,
-                     const uint32_t* __restrict__ seed, uint8_t* __restrict__ codes, uint8_t* __restrict__ scales) {
+    mx_encode_kernel(Input<T, Feedback> in, int64_t num_blocks, int format, const uint32_t* __restrict__ seed,
+                     uint8_t* __restrict__ codes, uint8_t* __restrict__ scales, float* __restrict__ new_residual) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int64_t block = (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   if (block >= num_blocks) return;  // whole warps: the shuffles below see all 32 lanes
   const MiniFormat f = mini_format(format);
   const int bits = mini_bits(f);
   const int64_t i = block * kMxBlock + lane;
-  const float v = load1(x, i, n);
+  const float v = in.at(i);
   uint32_t m = abs_bits(v);
   for (int d = 16; d >= 1; d /= 2) {
     const uint32_t o = __shfl_xor_sync(kFull, m, d);
@@ -41,6 +44,12 @@ __global__ void __launch_bounds__(kThreads)
   const float t = v * mx_inverse(scale);
   const uint32_t code =
       STOCHASTIC ? mini_encode(t, f, rng_uniform(seed[0], seed[1], static_cast<uint32_t>(i))) : mini_encode_rn(t, f);
+  if constexpr (Feedback) {
+    if (i < in.n) {
+      const float hat = scale == 0xffu ? NAN : (mini_value(code, f) * mx_scale_hi(scale)) * mx_scale_lo(scale);
+      new_residual[i] = v - canonical_nan(hat);
+    }
+  }
   uint8_t* out = codes + block * (kMxBlock * bits / 8);
   if (bits == 8) {
     out[lane] = static_cast<uint8_t>(code);
@@ -78,16 +87,29 @@ __global__ void __launch_bounds__(kThreads)
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cuda_runtime.cuh), one tensor at a time
 // ---------------------------------------------------------------------------
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
-            uint8_t* scales, int64_t format, int64_t stochastic) {
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                   const uint32_t* seed, uint8_t* codes, uint8_t* scales, float* new_residual, int64_t format,
+                   int64_t stochastic) {
   const int64_t nb = num_buckets(n, kMxBlock);
   const unsigned blocks = static_cast<unsigned>((nb * kMxBlock + kThreads - 1) / kThreads);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = stochastic != 0 ? mx_encode_kernel<T, true> : mx_encode_kernel<T, false>;
-    kernel<<<blocks, kThreads, 0, stream>>>(static_cast<const T*>(x), n, nb, static_cast<int>(format), seed, codes,
-                                            scales);
+    auto kernel = stochastic != 0 ? mx_encode_kernel<T, true, Feedback> : mx_encode_kernel<T, false, Feedback>;
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    kernel<<<blocks, kThreads, 0, stream>>>(in, nb, static_cast<int>(format), seed, codes, scales, new_residual);
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, const uint32_t* seed, uint8_t* codes,
+            uint8_t* scales, int64_t format, int64_t stochastic) {
+  launch_encode<false>(stream, dt, x, nullptr, n, seed, codes, scales, nullptr, format, stochastic);
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                     const uint32_t* seed, uint8_t* codes, uint8_t* scales, float* new_residual, int64_t format,
+                     int64_t stochastic) {
+  launch_encode<true>(stream, dt, x, residual, n, seed, codes, scales, new_residual, format, stochastic);
 }
 
 void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* scales, int64_t n, void* out,
@@ -101,6 +123,7 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* codes, const uint8_t* 
 using Handlers = CudaPairHandlers<ffi::U8, ffi::U8>;
 JAXCOMP_REGISTER(kMxEncode, Handlers::encode<mx_check_encode, encode>);
 JAXCOMP_REGISTER(kMxDecode, Handlers::decode<mx_check_decode, decode>);
+JAXCOMP_REGISTER(kMxEncodeFeedback, Handlers::feedback<mx_check_encode, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

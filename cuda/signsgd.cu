@@ -1,5 +1,5 @@
-// Scaled sign on CUDA: the handlers of kSignsgdEncode and kSignsgdDecode,
-// with the buffers, checks and bytes of ffi/signsgd.cc. The targets, bodies,
+// Scaled sign on CUDA: the handlers of kSignsgdEncode, kSignsgdDecode and
+// kSignsgdEncodeFeedback, with the buffers, checks and bytes of ffi/signsgd.cc. The targets, bodies,
 // sizes and checks in ffi/include/jaxcomp/signsgd.h; twin in
 // jaxcomp/codecs/signsgd.py.
 #include <cuda_runtime.h>
@@ -16,44 +16,66 @@ namespace {
 // ---------------------------------------------------------------------------
 // Kernels and their launches
 // ---------------------------------------------------------------------------
-template <typename T>
+// The encode, and with Feedback the encode of acc = float32(x) + residual
+// that also writes the new residual acc - decoded (the CPU's feedback_range:
+// the decoded values signsgd_value, as the decode kernel computes them).
+template <typename T, bool Feedback>
 __global__ void __launch_bounds__(kThreads)
-    signsgd_encode_kernel(const T* __restrict__ x, int64_t n, int64_t num_buckets, Geometry g,
-                          uint8_t* __restrict__ signs, float* __restrict__ scales, bool vec) {
+    signsgd_encode_kernel(Input<T, Feedback> in, int64_t num_buckets, Geometry g, uint8_t* __restrict__ signs,
+                          float* __restrict__ scales, float* __restrict__ new_residual, bool vec) {
   __shared__ float sm[kThreads];
   const Slot t = slot(g);
   // The halving tree of |v| over the zero-padded bucket: each lane's part,
   // then the lanes' parts in shared memory (kernels.cuh).
   const float part = lane_tree_sum<float>(g.lane_levels, [&](uint32_t j) {
-    return fabsf(load1(x, t.start + t.lane + static_cast<int64_t>(j) * g.lanes, n));
+    return fabsf(in.at(t.start + t.lane + static_cast<int64_t>(j) * g.lanes));
   });
   const float sum = segment_tree(sm, part, t.lane, g.lanes, Plus{});
   if (t.bucket >= num_buckets) return;  // no __syncthreads() after this point
-  if (t.lane == 0) {
-    const int64_t left = n - t.start;
-    scales[t.bucket] = signsgd_scale(sum, left < g.bucket ? left : g.bucket);
-  }
+  const int64_t left = in.n - t.start;
+  const float scale = signsgd_scale(sum, left < g.bucket ? left : g.bucket);
+  if (t.lane == 0) scales[t.bucket] = scale;
   uint8_t* out = signs + t.bucket * (g.bucket / 8);
   for (int gi = t.lane; gi < g.bucket / 8; gi += g.lanes) {
     float v[8];
-    load8(x, t.start + 8 * gi, n, vec, v);
+    in.group(t.start + 8 * gi, vec, v);
     uint8_t c[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) c[j] = v[j] < 0.0f ? 1 : 0;
     pack8(c, 1, out + gi);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = signsgd_value(c[j] != 0, scale);
+      store_residual8(new_residual, t.start + 8 * gi, in.n, vec, v, hat);
+    }
   }
 }
 
-// The signs are written one byte per thread, so only the input needs the
-// alignment check.
+// The signs are written one byte per thread, so only the input (and under
+// error feedback the residuals) needs the alignment check.
 void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* signs, float* scales,
             int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
   with_type(dt, [&](auto tag) {
-    const auto* xd = static_cast<const decltype(tag)*>(x);
-    signsgd_encode_kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(xd, n, nb, g, signs, scales,
-                                                                           aligned16(xd));
+    using T = decltype(tag);
+    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
+    signsgd_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales, nullptr,
+                                                                                    aligned16(x));
+  });
+}
+
+void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
+                     uint8_t* signs, float* scales, float* new_residual, int64_t bucket) {
+  const int64_t nb = num_buckets(n, bucket);
+  const Geometry g = geometry(bucket);
+  with_type(dt, [&](auto tag) {
+    using T = decltype(tag);
+    const Input<T, true> in{static_cast<const T*>(x), residual, n};
+    const bool vec = aligned16(x) && aligned16(residual) && aligned16(new_residual);
+    signsgd_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales,
+                                                                                   new_residual, vec);
   });
 }
 
@@ -83,6 +105,7 @@ void decode(cudaStream_t stream, DType dt, const uint8_t* signs, const float* sc
 using Handlers = CudaPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kSignsgdEncode, Handlers::encode<check_pair_encode<signsgd_sizes>, encode>);
 JAXCOMP_REGISTER(kSignsgdDecode, Handlers::decode<check_pair_decode<signsgd_sizes>, decode>);
+JAXCOMP_REGISTER(kSignsgdEncodeFeedback, Handlers::feedback<check_pair_encode<signsgd_sizes>, encode_feedback>);
 
 }  // namespace
 }  // namespace cuda

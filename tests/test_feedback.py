@@ -243,4 +243,13 @@ def test_the_flags_name_the_kernels_the_sources_register():
     for attr, folder in (("feedback_kernel", "ffi"), ("cuda_feedback_kernel", "cuda")):
         flagged = {c.name for c in classes if getattr(c, attr)}
         assert flagged == _registered_feedback_targets(folder), attr
-    assert {c.name for c in classes if c.cuda_feedback_kernel} == {"int8", "qsgd", "onebit"}
+    assert {c.name for c in classes if c.cuda_feedback_kernel} == {
+        "int8",
+        "qsgd",
+        "onebit",
+        "signsgd",
+        "natural",
+        "fp8",
+        "mx",
+        "terngrad",
+    }

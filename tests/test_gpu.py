@@ -363,7 +363,8 @@ def test_decode_sum_matches_twin_and_cpu(codec, rows):
 def test_encode_feedback_on_gpu_matches_the_cpu_fused_kernel(codec, dtype):
     """encode_feedback on the GPU gives the CPU fused kernel's payload and
     new residual: "gpu-ffi" is the CUDA one-pass kernel where the codec has
-    one (``cuda_feedback_kernel``: Int8, QSGD, OneBit), the twins' three calls,
+    one (``cuda_feedback_kernel``: every codec with a CPU one but 3LC, TopK
+    and the casts), the twins' three calls,
     which XLA fuses, otherwise and for "gpu-xla"."""
     x = gpu_input(70001, dtype, seed=3)
     res = gpu_input(70001, np.float32, seed=4) * np.float32(0.1)

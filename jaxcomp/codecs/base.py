@@ -763,8 +763,9 @@ class Codec:
         over the gradient and the residual, each bucket in cache, with no
         ``acc`` and no decoded tensor written out; elsewhere (other codecs,
         GPUs, ``backend="xla"``) it is the three calls, which XLA fuses
-        where it can. Int8, QSGD and OneBit have the one-pass kernel on
-        CUDA as well (:attr:`cuda_feedback_kernel`), which ``backend="ffi"`` runs.
+        where it can. Int8, QSGD, OneBit, SignSGD, Natural, FP8, MX and
+        TernGrad have the one-pass kernel on CUDA as well
+        (:attr:`cuda_feedback_kernel`), which ``backend="ffi"`` runs.
 
         Args:
           x: the gradient (float32, bfloat16 or float16, any shape).

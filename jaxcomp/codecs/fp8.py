@@ -58,6 +58,7 @@ class FP8(BucketedCodec):
     codec_id: ClassVar[int] = 10
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         mf.format_named("FP8", "format", self.format, _FORMATS)

@@ -78,6 +78,7 @@ class MX(BucketedCodec):
     codec_id: ClassVar[int] = 11
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         mf.format_named("MX", "element", self.element, _ELEMENTS)

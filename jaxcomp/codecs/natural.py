@@ -56,6 +56,7 @@ class Natural(BucketedCodec):
     codec_id: ClassVar[int] = 6
     seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):

@@ -49,6 +49,7 @@ class SignSGD(BucketedCodec):
     recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 9
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)

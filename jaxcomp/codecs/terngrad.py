@@ -48,6 +48,7 @@ class TernGrad(BucketedCodec):
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
+    cuda_feedback_kernel: ClassVar[bool] = True
 
     def arrays(self, n, dtype):
         return {
