@@ -21,6 +21,11 @@ link is slow here: the figure is the step's compute and copy overhead over
 compressions as the separate calls (add, encode, decode, subtract) the
 kernel replaces: the before and after of the kernel, in one run.
 
+``--rows`` adds, per codec with a decode-and-accumulate kernel
+(``Codec.decode_sum_kernel``), the bare and the full update with the
+payloads a device receives decoded row by row, then summed, as before the
+kernel: its before and after, in one run.
+
 ``--profile`` prints, per codec, where the full update's time goes: XLA's
 CPU profile of a few steps (``jax.profiler``), per operation of the compiled
 step, with the bytes each one writes (from the compiled HLO); and, for the
@@ -52,6 +57,7 @@ step; the full update's distance to it is what a fused kernel can win.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import json
 import os
@@ -94,6 +100,12 @@ def main() -> int:
         "--calls",
         action="store_true",
         help="also time the full update with the separate calls in place of one-pass kernels",
+    )
+    ap.add_argument(
+        "--rows",
+        action="store_true",
+        help="also time the bare and full updates with the received payloads decoded row by "
+        "row in place of decode-and-accumulate kernels",
     )
     ap.add_argument(
         "--profile", action="store_true", help="per-operation profile of the full update"
@@ -215,6 +227,17 @@ def main() -> int:
         footprints.append(f"| {label} | {temp / 2**20:.0f} | {faults:.0f} | {system:.0f} |")
 
     jobs: list[dict] = []  # every timed step, run by run_rounds
+
+    @contextlib.contextmanager
+    def patched(obj, name, value):
+        """``obj.name = value`` while a step is traced (in timed): jit caches
+        traces per function, so each patched step is a function of its own."""
+        old = getattr(obj, name)
+        setattr(obj, name, value)
+        try:
+            yield
+        finally:
+            setattr(obj, name, old)
 
     def timed(step, state) -> dict:
         """Compiles ``step`` and runs it once; :func:`run_rounds` times it."""
@@ -351,18 +374,19 @@ def main() -> int:
         state = jc.optax.init(tx, params, mesh, axis)
         specs = jc.optax.state_specs(state, axis)
         full = timed(make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), specs), state)
-        calls_job = None
+        calls_job = rows_job = rows_bare = None
         if args.calls and codec.feedback_kernel:
-            # A step of its own (jit caches traces per function), traced in
-            # timed with the one-pass test answering no: every compression
-            # of error feedback is then the separate calls.
-            one_pass = _feedback.one_pass
-            _feedback.one_pass = lambda codec, dtype: False
-            try:
+            # The one-pass test answering no: every compression of error
+            # feedback is then the separate calls.
+            with patched(_feedback, "one_pass", lambda codec, dtype: False):
                 calls_step = make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), specs)
                 calls_job = timed(calls_step, jc.optax.init(tx, params, mesh, axis))
-            finally:
-                _feedback.one_pass = one_pass
+        if args.rows and codec.decode_sum_kernel:
+            with patched(type(codec), "decode_sum_kernel", False):
+                rows_step = make_step(lambda p, s, g, tx=tx: tx.update(g, s, p), specs)
+                rows_job = timed(rows_step, jc.optax.init(tx, params, mesh, axis))
+                if args.bare:
+                    rows_bare = timed(make_step(bare_pmean(codec)), sgd.init(params))
         if args.profile:
             footprint(make_step(bare_pmean(codec)), sgd.init(params), f"`{spec}` bare jc.pmean")
             footprint(
@@ -384,6 +408,9 @@ def main() -> int:
             bare_job = timed(make_step(bare_pmean(codec)), sgd.init(params))
             ratios.append(bare_job)
             tail = " 1.00 |" + (" |" if args.floor else "")
+            if rows_bare is not None:
+                label = f"`{spec}` bare jc.pmean (value only, rows decoded) + sgd"
+                rows.append(row(label, rows_bare, tail))
             rows.append(row(f"`{spec}` bare jc.pmean (value only) + sgd", bare_job, tail))
         if args.floor:
             floor_job = timed(*floor(codec))
@@ -400,14 +427,19 @@ def main() -> int:
         levels = "two-level" if args.server_error_feedback else "one-level"
         if not args.error_feedback:
             levels = "no"
-        for job, how in ((calls_job, ", separate calls"), (full, "")):
+        variants = (
+            (rows_job, ", rows decoded", [rows_bare, *ratios[1:]] if rows_bare else ratios),
+            (calls_job, ", separate calls", ratios),
+            (full, "", ratios),
+        )
+        for job, how, against in variants:
             if job is not None:
                 rows.append(
                     row(
                         f"`{spec}` compress_gradients ({alg}, {levels} EF{how}) + sgd",
                         job,
-                        lambda j=job, ratios=ratios: "".join(
-                            f" {ms(j) / ms(r):.2f} |" for r in ratios
+                        lambda j=job, against=against: "".join(
+                            f" {ms(j) / ms(r):.2f} |" for r in against
                         ),
                     )
                 )

@@ -233,6 +233,20 @@ struct PairDecodeArgs {
   const Side* side;
 };
 
+// One bucket of a family whose payload is bucket-contiguous (bucket u's codes
+// and side data follow bucket u - 1's): its elements, and its codes and side
+// items in the payload.
+struct PairUnit {
+  int64_t elements, codes, side;
+};
+
+// The PairUnit of a family whose sizes are kSizes(n, bucket) -> PairSizes.
+template <auto kSizes>
+inline PairUnit bucket_unit(int64_t bucket) {
+  const auto s = kSizes(bucket, bucket);
+  return PairUnit{bucket, s.codes, s.side};
+}
+
 template <ffi::DataType kCodes, ffi::DataType kSide>
 struct CpuPairHandlers : PairHandlers<CpuPlatform, kCodes, kSide> {
   using Codes = ffi::NativeType<kCodes>;
@@ -259,6 +273,65 @@ struct CpuPairHandlers : PairHandlers<CpuPlatform, kCodes, kSide> {
                              int64_t bucket) {
     for_buckets(r, DecodeArgs{dt, out, n, static_cast<int>(bucket), codes, side}, kLoop);
   }
+
+  // Decode-and-accumulate, for the families whose payload is
+  // bucket-contiguous (kUnit(attributes...) -> PairUnit): codes [rows,
+  // bytes] and side [rows, buckets] -> the float32 sum of the rows in row
+  // order, out = ((row 0 + row 1) + row 2) + ..., then the NaN rule of
+  // common.h (a sum can make one: inf + -inf). A chunk of buckets at a
+  // time, each row's part decoded by the family's decoder (kFn, the decode
+  // target's, on this thread) as a tensor of its own, into the output for
+  // row 0 and into a buffer that stays in cache for the others: every row
+  // decoded as the decode target decodes it, and no row written out in
+  // full. The decoder's attributes, its check.
+  template <auto kCheck, auto kFn, auto kUnit, typename Fn = decltype(kFn)>
+  struct DecodeSum {
+    static_assert(sizeof(Fn) == 0, "a decoder is fn(runner, dtype, codes, side, n, out, attributes...)");
+  };
+
+  template <auto kCheck, auto kFn, auto kUnit, typename... A>
+  struct DecodeSum<kCheck, kFn, kUnit, void (*)(Runner&, DType, const Codes*, const Side*, int64_t, void*, A...)> {
+    static ffi::Error impl(ffi::ThreadPool pool, ffi::Buffer<kCodes> codes, ffi::Buffer<kSide> side,
+                           ffi::Result<ffi::Buffer<ffi::F32>> out, A... attrs) {
+      const Stacked s(codes.dimensions(), side.dimensions(), out->dimensions());
+      const int64_t rows = s.rows(), n = s.n();
+      if (const char* e = s.check(kCheck(DType::kF32, n, s.bytes(), s.buckets(), attrs...))) return invalid(e);
+      float* o = out->typed_data();
+      hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+      if (rows == 0 || n == 0) {
+        std::fill(o, o + n, 0.0f);
+        return ffi::Error::Success();
+      }
+      const PairUnit u = kUnit(attrs...);
+      const int64_t units = (n + u.elements - 1) / u.elements;
+      // About a plain decode's elements per task, divided among the rows.
+      const int64_t chunk = std::max<int64_t>(1, kElementsPerTask / u.elements / rows);
+      const Codes* c = codes.typed_data();
+      const Side* sd = side.typed_data();
+      PoolRunner runner(pool);
+      parallel_for(runner, units, chunk, [&](int64_t u0, int64_t u1) {
+        InlineRunner here;
+        std::vector<float> buf(static_cast<size_t>(std::min(chunk, u1 - u0) * u.elements));
+        for (int64_t c0 = u0; c0 < u1; c0 += chunk) {
+          const int64_t c1 = std::min(u1, c0 + chunk);
+          const int64_t e0 = c0 * u.elements, len = std::min(n, c1 * u.elements) - e0;
+          float* dst = o + e0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const Codes* cr = c + r * s.bytes() + c0 * u.codes;
+            const Side* sr = sd + r * s.buckets() + c0 * u.side;
+            kFn(here, DType::kF32, cr, sr, len, r == 0 ? static_cast<void*>(dst) : buf.data(), attrs...);
+            if (r > 0)
+              for (int64_t i = 0; i < len; ++i) dst[i] += buf[i];
+          }
+          for (int64_t i = 0; i < len; ++i) dst[i] = canonical_nan(dst[i]);
+        }
+      });
+      return ffi::Error::Success();
+    }
+  };
+
+  template <auto kCheck, auto kFn, auto kUnit>
+  static constexpr auto decode_sum = &DecodeSum<kCheck, kFn, kUnit>::impl;
 };
 
 }  // namespace jaxcomp

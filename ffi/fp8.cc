@@ -180,9 +180,16 @@ void encode_feedback(Runner& runner, DType dt, const void* x, const float* resid
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
+// A bucket of the payload, for decode_sum.
+PairUnit fp8_unit(int64_t bucket, int64_t) {
+  const Fp8Sizes s = fp8_sizes(bucket, bucket);
+  return PairUnit{bucket, s.codes, s.scales};
+}
+
 using Handlers = CpuPairHandlers<ffi::U8, ffi::F32>;
 JAXCOMP_REGISTER(kFp8Encode, Handlers::encode<fp8_check_encode, encode>);
 JAXCOMP_REGISTER(kFp8Decode, Handlers::decode<fp8_check_decode, decode>);
+JAXCOMP_REGISTER(kFp8DecodeSum, Handlers::decode_sum<fp8_check_decode, decode, fp8_unit>);
 JAXCOMP_REGISTER(kFp8EncodeFeedback, Handlers::feedback<fp8_check_encode, encode_feedback>);
 
 }  // namespace

@@ -73,6 +73,8 @@ JC_CPU_LOOP void decode_range(const Handlers::DecodeArgs& a, int64_t b0, int64_t
 // ---------------------------------------------------------------------------
 JAXCOMP_REGISTER(kInt8Encode, Handlers::encode<check_pair_encode<int8_sizes>, Handlers::encode_buckets<encode_range>>);
 JAXCOMP_REGISTER(kInt8Decode, Handlers::decode<check_pair_decode<int8_sizes>, Handlers::decode_buckets<decode_range>>);
+JAXCOMP_REGISTER(kInt8DecodeSum, Handlers::decode_sum<check_pair_decode<int8_sizes>, Handlers::decode_buckets<decode_range>,
+                                                      bucket_unit<int8_sizes>>);
 JAXCOMP_REGISTER(kInt8EncodeFeedback,
                  Handlers::feedback<check_pair_encode<int8_sizes>, Handlers::feedback_buckets<feedback_range>>);
 

@@ -452,9 +452,16 @@ void encode_feedback(Runner& runner, DType dt, const void* x, const float* resid
 // ---------------------------------------------------------------------------
 // Handlers: the pair families' (cpu_buckets.h)
 // ---------------------------------------------------------------------------
+// A block of the payload, for decode_sum.
+PairUnit mx_unit(int64_t format) {
+  const MxSizes s = mx_sizes(kMxBlock, mini_bits(mini_format(static_cast<int>(format))));
+  return PairUnit{kMxBlock, s.codes, s.scales};
+}
+
 using Handlers = CpuPairHandlers<ffi::U8, ffi::U8>;
 JAXCOMP_REGISTER(kMxEncode, Handlers::encode<mx_check_encode, encode>);
 JAXCOMP_REGISTER(kMxDecode, Handlers::decode<mx_check_decode, decode>);
+JAXCOMP_REGISTER(kMxDecodeSum, Handlers::decode_sum<mx_check_decode, decode, mx_unit>);
 JAXCOMP_REGISTER(kMxEncodeFeedback, Handlers::feedback<mx_check_encode, encode_feedback>);
 
 }  // namespace

@@ -175,6 +175,9 @@ void encode_feedback(Runner& runner, DType dt, const void* x, const float* resid
 JAXCOMP_REGISTER(kNaturalEncode, Handlers::encode<natural_check_encode, encode>);
 JAXCOMP_REGISTER(kNaturalDecode,
                  Handlers::decode<check_pair_decode<natural_sizes, kBadTops>, Handlers::decode_buckets<decode_range>>);
+JAXCOMP_REGISTER(kNaturalDecodeSum,
+                 Handlers::decode_sum<check_pair_decode<natural_sizes, kBadTops>, Handlers::decode_buckets<decode_range>,
+                                      bucket_unit<natural_sizes>>);
 JAXCOMP_REGISTER(kNaturalEncodeFeedback, Handlers::feedback<natural_check_encode, encode_feedback>);
 
 }  // namespace

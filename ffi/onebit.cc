@@ -194,6 +194,9 @@ JAXCOMP_REGISTER(kOnebitEncode,
                  Handlers::encode<check_pair_encode<onebit_sizes>, Handlers::encode_buckets<encode_range>>);
 JAXCOMP_REGISTER(kOnebitDecode,
                  Handlers::decode<check_pair_decode<onebit_sizes, kBadMeans>, Handlers::decode_buckets<decode_range>>);
+JAXCOMP_REGISTER(kOnebitDecodeSum,
+                 Handlers::decode_sum<check_pair_decode<onebit_sizes, kBadMeans>, Handlers::decode_buckets<decode_range>,
+                                      bucket_unit<onebit_sizes>>);
 JAXCOMP_REGISTER(kOnebitEncodeFeedback,
                  Handlers::feedback<check_pair_encode<onebit_sizes>, Handlers::feedback_buckets<feedback_range>>);
 

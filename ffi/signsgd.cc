@@ -98,6 +98,9 @@ JAXCOMP_REGISTER(kSignsgdEncode,
                  Handlers::encode<check_pair_encode<signsgd_sizes>, Handlers::encode_buckets<encode_range>>);
 JAXCOMP_REGISTER(kSignsgdDecode,
                  Handlers::decode<check_pair_decode<signsgd_sizes>, Handlers::decode_buckets<decode_range>>);
+JAXCOMP_REGISTER(kSignsgdDecodeSum,
+                 Handlers::decode_sum<check_pair_decode<signsgd_sizes>, Handlers::decode_buckets<decode_range>,
+                                      bucket_unit<signsgd_sizes>>);
 JAXCOMP_REGISTER(kSignsgdEncodeFeedback,
                  Handlers::feedback<check_pair_encode<signsgd_sizes>, Handlers::feedback_buckets<feedback_range>>);
 

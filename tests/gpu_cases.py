@@ -126,7 +126,9 @@ def first_examples() -> list[Codec]:
 
 
 def decode_sum_codecs() -> list[Codec]:
-    """Every example of a codec with a decode-and-sum kernel."""
+    """Every example of a codec with a decode-and-sum kernel (the CPU's; on a
+    GPU "ffi" runs the CUDA one where ``cuda_decode_sum_kernel``, else the
+    twin)."""
     return [
         c for cls in jaxcomp.codecs.registered() if cls.decode_sum_kernel for c in cls.examples()
     ]

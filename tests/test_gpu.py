@@ -331,8 +331,9 @@ def test_vmap_matches_per_example(codec):
         _assert_same(outs[i], _decoder(codec, "ffi")(single), f"entry {i}, decode")
 
 
-# Decode-and-accumulate (Codec.decode_sum): the CUDA kernel's sum of the rows
-# equals the twin's and the CPU kernel's, bit for bit.
+# Decode-and-accumulate (Codec.decode_sum): on the GPU (the CUDA kernel where
+# the codec has one, the twin otherwise) the sum of the rows equals the CPU
+# kernel's, bit for bit.
 @pytest.mark.parametrize(
     "codec",
     decode_sum_codecs(),

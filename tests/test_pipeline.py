@@ -5,6 +5,7 @@ compiled HLO carrying the bytes of the unpipelined ones."""
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import jax
@@ -181,8 +182,77 @@ def test_decode_sum_kernel_twin_and_rows_agree(codec, rows, n):
     assert kernel.tobytes() == by_rows.tobytes()
 
 
+@pytest.mark.parametrize("codec", DECODE_SUM_CODECS, ids=repr)
+def test_the_collectives_decode_sum_is_the_rows_sum(codec):
+    """What the collectives sum received payloads with (the kernel on the
+    CPU, lowered per platform) gives the rows decoded and added in order,
+    whatever the order of the codec's payload arrays."""
+    from jaxcomp.collectives import _decode
+
+    xs = jnp.asarray(np.random.default_rng(5).laplace(size=(3, 4099)).astype(np.float32))
+    keys = jax.random.split(jax.random.key(5), 3)
+    payloads = jax.jit(jax.vmap(lambda x, k: codec.encode(x, k)))(xs, keys)
+    got = np.asarray(jax.jit(_decode.decode_sum)(payloads))
+    rows = [np.asarray(codec.decode(jax.tree.map(lambda a, i=i: a[i], payloads))) for i in range(3)]
+    assert got.tobytes() == ((rows[0] + rows[1]) + rows[2]).tobytes()
+
+
+def _registered(folder: str, suffix: str) -> set[str]:
+    """The codec names whose ``jaxcomp_<name>_<suffix>`` target the sources
+    of ``folder`` (``ffi`` or ``cuda``) register."""
+    root = pathlib.Path(__file__).parent.parent
+    constants = {}
+    for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):
+        for const, name in re.findall(
+            rf'Target (\w+)\{{"jaxcomp_(\w+)_{suffix}"', header.read_text()
+        ):
+            constants[const] = name
+    registered = set()
+    for source in (root / folder).glob("*.c[cu]"):
+        registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
+    return {name for const, name in constants.items() if const in registered}
+
+
+def test_the_decode_sum_flags_name_the_kernels_the_sources_register():
+    """``decode_sum_kernel`` (the CPU module) and ``cuda_decode_sum_kernel``
+    say which codecs' ``decode_sum`` targets are compiled: a flag without
+    its target would fail at run time, a target without its flag would
+    never run."""
+    classes = jc.codecs.registered()
+    assert {c.name for c in classes if c.decode_sum_kernel} == _registered("ffi", "decode_sum")
+    assert {c.name for c in classes if c.cuda_decode_sum_kernel} == _registered(
+        "cuda", "decode_sum"
+    )
+    assert {c.name for c in classes if c.decode_sum_kernel} >= {
+        "qsgd", "int8", "onebit", "signsgd", "natural", "fp8", "mx"
+    }  # fmt: skip
+
+
+@pytest.mark.skipif(not jc.cpu_available(), reason="CPU kernels not built")
+def test_the_cpu_all_reduce_sums_the_received_payloads_in_the_kernel():
+    """On the CPU the allgather sums every device's OneBit payload with the
+    decode-and-accumulate kernel: no decoded row per device is written."""
+    codec = jc.codecs.OneBit()
+    mesh = jax.make_mesh((4,), ("d",), devices=jax.devices("cpu")[:4])
+    f = jax.jit(
+        jax.shard_map(
+            lambda x: jcc.pmean(x[0], "d", codec, algorithm="allgather").value[None],
+            mesh=mesh,
+            in_specs=P("d"),
+            out_specs=P("d"),
+        )
+    )
+    x = jax.device_put(
+        jax.random.normal(jax.random.key(0), (4, 4096)), jax.sharding.NamedSharding(mesh, P("d"))
+    )
+    hlo = f.lower(x).compile().as_text()
+    assert '"jaxcomp_onebit_decode_sum"' in hlo
+    assert '"jaxcomp_onebit_decode"' not in hlo
+
+
 def test_decode_sum_of_other_codecs_and_errors():
-    codec = jc.codecs.Int8(bucket_size=64)  # no kernel of its own: rows, then the sum
+    codec = jc.codecs.Cast(dtype="bfloat16")  # no kernel of its own: rows, then the sum
+    assert not codec.decode_sum_kernel
     xs = jax.random.normal(jax.random.key(0), (3, 1000))
     payloads = jax.vmap(lambda x: codec.encode(x))(xs)
     want = sum(
@@ -193,4 +263,4 @@ def test_decode_sum_of_other_codecs_and_errors():
     with pytest.raises(ValueError, match="float32 payloads"):
         codec.decode_sum(jax.vmap(lambda x: codec.encode(x))(xs.astype(jnp.bfloat16)))
     with pytest.raises(ValueError, match="payload of"):
-        jc.codecs.Int8(bucket_size=128).decode_sum(payloads)
+        jc.codecs.Cast(dtype="float16").decode_sum(payloads)

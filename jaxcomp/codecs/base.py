@@ -367,9 +367,12 @@ class Codec:
     #: False for codecs whose decode is a scan or a scatter (3LC's
     #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
     elementwise_decode: ClassVar[bool] = True
-    #: Whether the kernels have a decode-and-accumulate target,
+    #: Whether the CPU kernels have a decode-and-accumulate target,
     #: ``jaxcomp_<name>_decode_sum`` (see :meth:`decode_sum`).
     decode_sum_kernel: ClassVar[bool] = False
+    #: Whether the CUDA kernels have it too (else GPUs run the twin there:
+    #: the rows decoded, then summed).
+    cuda_decode_sum_kernel: ClassVar[bool] = False
     #: Whether the CPU kernels have a fused error-feedback target,
     #: ``jaxcomp_<name>_encode_feedback`` (see :meth:`encode_feedback`).
     feedback_kernel: ClassVar[bool] = False
@@ -698,13 +701,16 @@ class Codec:
         What a device does with the chunks it receives in a reduce-scatter:
         ``((row 0 + row 1) + row 2) + ...``, every row decoded as
         :meth:`decode` decodes it. Codecs with a decode-and-accumulate
-        kernel (:attr:`decode_sum_kernel`) never write a decoded row out;
+        kernel (:attr:`decode_sum_kernel`: the CPU's; QSGD's on CUDA too,
+        :attr:`cuda_decode_sum_kernel`) never write a decoded row out;
         the twin (and every other codec) decodes the rows, then adds them.
 
         Args:
           payloads: a payload of this codec whose arrays have one leading
             axis (the rows), each row a float32 tensor's.
-          backend: "auto" (kernel where built, else the twin), "ffi" or "xla".
+          backend: "auto" (kernel where built, else the twin), "ffi" (the
+            kernel required on the CPU, and on CUDA where the codec has
+            one) or "xla".
         Returns:
           float32 ``[payloads.size]``.
         """
@@ -735,6 +741,14 @@ class Codec:
 
         if not self.decode_sum_kernel:
             return add_rows(jax.vmap(lambda p: self.decode(p, backend=backend))(payloads))
+        if not self.cuda_decode_sum_kernel:
+            # The kernel is the CPU's: "ffi" requires it there, and "auto"
+            # runs it there; elsewhere both run the twin.
+            backend = (
+                Backend.FUSED_FFI
+                if backend == "ffi"
+                else resolve_backend("fused" if backend == "auto" else backend)
+            )
         return self.kernel(
             backend,
             f"jaxcomp_{self.name}_decode_sum",

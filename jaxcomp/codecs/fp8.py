@@ -57,6 +57,7 @@ class FP8(BucketedCodec):
     name: ClassVar[str] = "fp8"
     codec_id: ClassVar[int] = 10
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

@@ -35,6 +35,7 @@ class Int8(BucketedCodec):
 
     name: ClassVar[str] = "int8"
     codec_id: ClassVar[int] = 3
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

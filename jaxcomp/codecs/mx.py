@@ -77,6 +77,7 @@ class MX(BucketedCodec):
     name: ClassVar[str] = "mx"
     codec_id: ClassVar[int] = 11
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

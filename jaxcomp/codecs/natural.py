@@ -55,6 +55,7 @@ class Natural(BucketedCodec):
     name: ClassVar[str] = "natural"
     codec_id: ClassVar[int] = 6
     seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

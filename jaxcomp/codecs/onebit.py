@@ -43,6 +43,7 @@ class OneBit(BucketedCodec):
     name: ClassVar[str] = "onebit"
     recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 2
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

@@ -58,6 +58,7 @@ class QSGD(BucketedCodec):
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
     decode_sum_kernel: ClassVar[bool] = True
+    cuda_decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

@@ -48,6 +48,7 @@ class SignSGD(BucketedCodec):
     name: ClassVar[str] = "signsgd"
     recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 9
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

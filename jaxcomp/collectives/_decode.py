@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxcomp._ffi import Backend, cpu_available, resolve_backend
 from jaxcomp.codecs.base import Codec
-from jaxcomp.ops._dispatch import choose_path
+from jaxcomp.ops._dispatch import choose_path, platform_dependent
 from jaxcomp.payload import Payload
 
 
@@ -68,17 +69,36 @@ def decode_rows(payload: Payload, *, fused: bool = False) -> jax.Array:
 def decode_sum(payload: Payload) -> jax.Array:
     """Stacked payloads (one leading axis) decoded and summed in row order
     (float32), writing only the sum, not a float32 row per device: through
-    the codec's decode-and-accumulate kernel where it has one
-    (``Codec.decode_sum_kernel``) and kernels run here, else fused (on
-    GPUs, an element-wise twin decode fused into the sum, one pass)."""
+    the codec's decode-and-accumulate kernel where it has one for the
+    platform (``Codec.decode_sum_kernel`` on the CPU,
+    ``Codec.cuda_decode_sum_kernel`` on CUDA) and kernels run here, else
+    fused (on GPUs, an element-wise twin decode fused into the sum, one
+    pass)."""
     codec = payload.codec
 
-    def fused_rows():
-        return ordered_sum(decode_rows(payload, fused=True))
+    def fused_rows(p=payload):
+        return ordered_sum(decode_rows(p, fused=True))
 
     if not (codec.decode_sum_kernel and payload.dtype == jnp.float32):
         return fused_rows()
-    return choose_path("auto", lambda b: codec.decode_sum(payload, backend=b), fused_rows)()
+    if codec.cuda_decode_sum_kernel:
+        return choose_path("auto", lambda b: codec.decode_sum(payload, backend=b), fused_rows)()
+    if resolve_backend("auto") is Backend.XLA or not cpu_available():
+        return fused_rows()
+
+    # The CPU's kernel; elsewhere the fused rows (one primitive with a rule
+    # per platform, as compress_kept's). The arrays go as a tuple, in layout
+    # order: a dict would be flattened in the order of its sorted keys.
+    names = tuple(payload.arrays)
+
+    def rebuilt(arrays):
+        return Payload(codec, payload.shape, payload.dtype, dict(zip(names, arrays, strict=True)))
+
+    return platform_dependent(
+        tuple(payload.arrays.values()),
+        cpu=lambda a: codec.decode_sum(rebuilt(a), backend="auto"),
+        default=lambda a: fused_rows(rebuilt(a)),
+    )
 
 
 def ordered_sum(rows: jax.Array) -> jax.Array:

@@ -60,6 +60,9 @@ inline constexpr Target kFp8Encode{"jaxcomp_fp8_encode",
                                    "stochastic"};  // 1: stochastic, 0: nearest even
 //   decode: codes, scales -> flat output, the input's dtype
 inline constexpr Target kFp8Decode{"jaxcomp_fp8_decode", "bucket_size", "format"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kFp8DecodeSum{"jaxcomp_fp8_decode_sum", "bucket_size", "format"};
 //   encode_feedback (CPU): x, residual (f32, x's length), seed -> codes, scales
 //           of acc = float32(x) + residual, and acc - decode (f32)
 inline constexpr Target kFp8EncodeFeedback{"jaxcomp_fp8_encode_feedback", "bucket_size", "format", "stochastic"};

@@ -47,6 +47,9 @@ inline constexpr Target kInt8Encode{"jaxcomp_int8_encode",
                                     "bucket_size"};  // power of two
 //   decode: q, scales -> flat output, the input's dtype
 inline constexpr Target kInt8Decode{"jaxcomp_int8_decode", "bucket_size"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kInt8DecodeSum{"jaxcomp_int8_decode_sum", "bucket_size"};
 //   encode_feedback (CPU, CUDA): x, residual (f32) -> q, scales, new residual (f32):
 //   the payload of acc = f32(x) + residual, and acc - decode(payload)
 inline constexpr Target kInt8EncodeFeedback{"jaxcomp_int8_encode_feedback", "bucket_size"};

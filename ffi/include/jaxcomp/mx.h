@@ -83,6 +83,9 @@ inline constexpr Target kMxEncode{"jaxcomp_mx_encode",
                                   "stochastic"};  // 1: stochastic, 0: nearest even
 //   decode: codes, scales -> flat output, the input's dtype
 inline constexpr Target kMxDecode{"jaxcomp_mx_decode", "format"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kMxDecodeSum{"jaxcomp_mx_decode_sum", "format"};
 //   encode_feedback (CPU): x, residual (f32, x's length), seed -> codes, scales
 //           of acc = float32(x) + residual, and acc - decode (f32)
 inline constexpr Target kMxEncodeFeedback{"jaxcomp_mx_encode_feedback", "format", "stochastic"};

@@ -140,6 +140,9 @@ inline constexpr Target kNaturalEncode{"jaxcomp_natural_encode",
                                        "stochastic"};  // 1: unbiased, 0: nearest
 //   decode: codes, tops -> flat output, the input's dtype
 inline constexpr Target kNaturalDecode{"jaxcomp_natural_decode", "bucket_size"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kNaturalDecodeSum{"jaxcomp_natural_decode_sum", "bucket_size"};
 //   encode_feedback (CPU): x, residual (f32, x's length), seed -> codes, tops
 //           of acc = float32(x) + residual, and acc - decode (f32)
 inline constexpr Target kNaturalEncodeFeedback{"jaxcomp_natural_encode_feedback", "bucket_size", "stochastic"};

@@ -42,6 +42,9 @@ inline constexpr Target kOnebitEncode{"jaxcomp_onebit_encode",
                                       "bucket_size"};  // power of two
 //   decode: bits, means -> flat output, the input's dtype
 inline constexpr Target kOnebitDecode{"jaxcomp_onebit_decode", "bucket_size"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kOnebitDecodeSum{"jaxcomp_onebit_decode_sum", "bucket_size"};
 //   encode_feedback (CPU, CUDA): x, residual (f32) -> bits, means, new residual
 //   (f32): the payload of acc = f32(x) + residual, and acc - decode(payload)
 inline constexpr Target kOnebitEncodeFeedback{"jaxcomp_onebit_encode_feedback", "bucket_size"};

@@ -43,6 +43,9 @@ inline constexpr Target kSignsgdEncode{"jaxcomp_signsgd_encode",
                                        "bucket_size"};  // power of two
 //   decode: signs, scales -> flat output, the input's dtype
 inline constexpr Target kSignsgdDecode{"jaxcomp_signsgd_decode", "bucket_size"};
+//   decode_sum (CPU): codes [rows, bytes], side [rows, buckets] -> the rows'
+//               sum, flat float32; the decoder's attributes
+inline constexpr Target kSignsgdDecodeSum{"jaxcomp_signsgd_decode_sum", "bucket_size"};
 //   encode_feedback (CPU): x, residual (f32) -> signs, scales, new residual
 //   (f32): the payload of acc = f32(x) + residual, and acc - decode(payload)
 inline constexpr Target kSignsgdEncodeFeedback{"jaxcomp_signsgd_encode_feedback", "bucket_size"};
