@@ -251,16 +251,17 @@ def test_the_cpu_all_reduce_sums_the_received_payloads_in_the_kernel():
 
 
 def test_decode_sum_of_other_codecs_and_errors():
-    codec = jc.codecs.Cast(dtype="bfloat16")  # no kernel of its own: rows, then the sum
+    codec = jc.codecs.TernGrad(bucket_size=64)  # no kernel of its own: rows, then the sum
     assert not codec.decode_sum_kernel
     xs = jax.random.normal(jax.random.key(0), (3, 1000))
-    payloads = jax.vmap(lambda x: codec.encode(x))(xs)
+    keys = jax.random.split(jax.random.key(1), 3)
+    payloads = jax.vmap(lambda x, k: codec.encode(x, k))(xs, keys)
     want = sum(
         np.asarray(codec.decode(jax.tree.map(lambda a, i=i: a[i], payloads))) for i in range(3)
     )
     got = np.asarray(codec.decode_sum(payloads))
     np.testing.assert_array_equal(got, want.astype(np.float32))
     with pytest.raises(ValueError, match="float32 payloads"):
-        codec.decode_sum(jax.vmap(lambda x: codec.encode(x))(xs.astype(jnp.bfloat16)))
+        codec.decode_sum(jax.vmap(codec.encode)(xs.astype(jnp.bfloat16), keys))
     with pytest.raises(ValueError, match="payload of"):
-        jc.codecs.Cast(dtype="float16").decode_sum(payloads)
+        jc.codecs.TernGrad(bucket_size=128).decode_sum(payloads)
