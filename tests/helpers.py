@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -141,3 +143,20 @@ def long_scan_options(steps: int) -> dict | None:
     conservation scan of test_optax takes 7.7 s at the default level
     against 13.7 s at 0); None (the process's level) for shorter ones."""
     return {"xla_backend_optimization_level": 3} if steps >= 200 else None
+
+
+def registered_targets(folder: str, suffix: str) -> set[str]:
+    """The codec names whose ``jaxcomp_<name>_<suffix>`` target (declared in
+    ffi/include/jaxcomp) the sources of ``folder`` (``ffi`` or ``cuda``)
+    register: what a codec's kernel flags must name."""
+    root = pathlib.Path(__file__).parent.parent
+    constants = {}
+    for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):
+        for const, name in re.findall(
+            rf'Target (\w+)\{{"jaxcomp_(\w+)_{suffix}"', header.read_text()
+        ):
+            constants[const] = name
+    registered = set()
+    for source in (root / folder).glob("*.c[cu]"):
+        registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
+    return {name for const, name in constants.items() if const in registered}

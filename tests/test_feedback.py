@@ -11,15 +11,13 @@ values, and the compiled step calls that kernel.
 from __future__ import annotations
 
 import functools
-import pathlib
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import CONTRACT_CODECS, codec_id
-from helpers import assert_same_bytes, assert_same_payload, gradient_like
+from helpers import assert_same_bytes, assert_same_payload, gradient_like, registered_targets
 
 import jaxcomp as jc
 
@@ -218,22 +216,6 @@ def test_hierarchical_compresses_its_slow_stage_in_one_pass():
     np.testing.assert_allclose(total, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
 
 
-def _registered_feedback_targets(folder: str) -> set[str]:
-    """The codec names whose ``jaxcomp_<name>_encode_feedback`` target the
-    sources of ``folder`` (``ffi`` or ``cuda``) register."""
-    root = pathlib.Path(__file__).parent.parent
-    constants = {}
-    for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):
-        for const, name in re.findall(
-            r'Target (\w+)\{"jaxcomp_(\w+)_encode_feedback"', header.read_text()
-        ):
-            constants[const] = name
-    registered = set()
-    for source in (root / folder).glob("*.c[cu]"):
-        registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
-    return {name for const, name in constants.items() if const in registered}
-
-
 def test_the_flags_name_the_kernels_the_sources_register():
     """``feedback_kernel`` and ``cuda_feedback_kernel`` say which codecs'
     one-pass targets the CPU and CUDA modules register (``backend="ffi"``
@@ -242,7 +224,7 @@ def test_the_flags_name_the_kernels_the_sources_register():
     classes = {type(c) for c in CONTRACT_CODECS}
     for attr, folder in (("feedback_kernel", "ffi"), ("cuda_feedback_kernel", "cuda")):
         flagged = {c.name for c in classes if getattr(c, attr)}
-        assert flagged == _registered_feedback_targets(folder), attr
+        assert flagged == registered_targets(folder, "encode_feedback"), attr
     assert {c.name for c in classes if c.cuda_feedback_kernel} == {
         "int8",
         "qsgd",

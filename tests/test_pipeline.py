@@ -5,13 +5,13 @@ compiled HLO carrying the bytes of the unpipelined ones."""
 
 from __future__ import annotations
 
-import pathlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import registered_targets
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
@@ -197,30 +197,16 @@ def test_the_collectives_decode_sum_is_the_rows_sum(codec):
     assert got.tobytes() == ((rows[0] + rows[1]) + rows[2]).tobytes()
 
 
-def _registered(folder: str, suffix: str) -> set[str]:
-    """The codec names whose ``jaxcomp_<name>_<suffix>`` target the sources
-    of ``folder`` (``ffi`` or ``cuda``) register."""
-    root = pathlib.Path(__file__).parent.parent
-    constants = {}
-    for header in (root / "ffi" / "include" / "jaxcomp").glob("*.h"):
-        for const, name in re.findall(
-            rf'Target (\w+)\{{"jaxcomp_(\w+)_{suffix}"', header.read_text()
-        ):
-            constants[const] = name
-    registered = set()
-    for source in (root / folder).glob("*.c[cu]"):
-        registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
-    return {name for const, name in constants.items() if const in registered}
-
-
 def test_the_decode_sum_flags_name_the_kernels_the_sources_register():
     """``decode_sum_kernel`` (the CPU module) and ``cuda_decode_sum_kernel``
     say which codecs' ``decode_sum`` targets are compiled: a flag without
     its target would fail at run time, a target without its flag would
     never run."""
     classes = jc.codecs.registered()
-    assert {c.name for c in classes if c.decode_sum_kernel} == _registered("ffi", "decode_sum")
-    assert {c.name for c in classes if c.cuda_decode_sum_kernel} == _registered(
+    assert {c.name for c in classes if c.decode_sum_kernel} == registered_targets(
+        "ffi", "decode_sum"
+    )
+    assert {c.name for c in classes if c.cuda_decode_sum_kernel} == registered_targets(
         "cuda", "decode_sum"
     )
     assert {c.name for c in classes if c.decode_sum_kernel} >= {
