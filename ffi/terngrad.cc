@@ -1,5 +1,5 @@
-// TernGrad on the CPU: the handlers of kTerngradEncode, kTerngradDecode and
-// kTerngradEncodeFeedback.
+// TernGrad on the CPU: the handlers of kTerngradEncode, kTerngradDecode,
+// kTerngradEncodeFeedback and kTerngradDecodeSum.
 // The targets, bodies, sizes and checks in include/jaxcomp/terngrad.h; twin in
 // jaxcomp/codecs/terngrad.py.
 //
@@ -139,6 +139,80 @@ JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t e0, int64_t e1) {
   });
 }
 
+// Decode-and-accumulate: the sum, in row order, of `rows` float32 payloads
+// (the trits and scales of each row one after the other), a chunk of
+// elements at a time: each row's values as decode_range writes them (the
+// decoders' NaN rule), added into the output, so that no row is written
+// out; then the NaN rule on the sum (inf + -inf).
+struct DecodeSumArgs {
+  float* out;
+  int64_t n;
+  int bucket;
+  int64_t rows, row_bytes, row_buckets;
+  const uint8_t* trits;
+  const float* scales;
+};
+
+template <int PLANE, bool FIRST>
+void sum_run(const uint8_t* in, float scale, int64_t run, float* out) {
+  for (int64_t i = 0; i < run; ++i) {
+    const float v = canonical_nan(terngrad_value(base3_digit(in[i], PLANE), scale));
+    out[i] = FIRST ? v : out[i] + v;
+  }
+}
+
+template <bool FIRST>
+void sum_row(const DecodeSumArgs& a, const uint8_t* trits, const float* scales, int64_t e0, int64_t e1) {
+  const int64_t m = base3_bytes(a.n);
+  const int64_t B = a.bucket;
+  int64_t e = e0;
+  while (e < e1) {
+    const int64_t plane = e / m;
+    const int64_t run = std::min<int64_t>({e1 - e, (plane + 1) * m - e, (e / B + 1) * B - e});
+    const uint8_t* in = trits + (e - plane * m);
+    const float s = scales[e / B];
+    switch (plane) {
+      case 0: sum_run<0, FIRST>(in, s, run, a.out + e); break;
+      case 1: sum_run<1, FIRST>(in, s, run, a.out + e); break;
+      case 2: sum_run<2, FIRST>(in, s, run, a.out + e); break;
+      case 3: sum_run<3, FIRST>(in, s, run, a.out + e); break;
+      default: sum_run<4, FIRST>(in, s, run, a.out + e); break;
+    }
+    e += run;
+  }
+}
+
+JC_CPU_LOOP void decode_sum_range(const DecodeSumArgs& a, int64_t e0, int64_t e1) {
+  sum_row<true>(a, a.trits, a.scales, e0, e1);
+  for (int64_t r = 1; r < a.rows; ++r)
+    sum_row<false>(a, a.trits + r * a.row_bytes, a.scales + r * a.row_buckets, e0, e1);
+  for (int64_t e = e0; e < e1; ++e) a.out[e] = canonical_nan(a.out[e]);
+}
+
+ffi::Error DecodeSumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> trits, ffi::Buffer<ffi::F32> scales,
+                         ffi::Result<ffi::Buffer<ffi::F32>> out, int64_t bucket) {
+  const Stacked s(trits.dimensions(), scales.dimensions(), out->dimensions());
+  const int64_t rows = s.rows(), n = s.n();
+  if (const char* e = s.check(check_pair_decode<terngrad_sizes>(DType::kF32, n, s.bytes(), s.buckets(), bucket)))
+    return invalid(e);
+  float* o = out->typed_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+  if (rows == 0) {
+    std::fill(o, o + n, 0.0f);
+    return ffi::Error::Success();
+  }
+  const DecodeSumArgs a{o, n, static_cast<int>(bucket), rows, s.bytes(), s.buckets(), trits.typed_data(),
+                        scales.typed_data()};
+  PoolRunner runner(pool);
+  // A plain decode's elements per task, divided among the rows; the chunks
+  // stay in cache while every row is added.
+  const int64_t chunk = std::max<int64_t>(1024, kElementsPerTask / rows);
+  parallel_for(runner, n, chunk, [&](int64_t i0, int64_t i1) {
+    for (int64_t c = i0; c < i1; c += chunk) decode_sum_range(a, c, std::min(i1, c + chunk));
+  });
+  return ffi::Error::Success();
+}
+
 // One tensor, for the pair families' handlers (cpu_buckets.h).
 void encode(Runner& runner, DType dt, const void* x, int64_t n, const uint32_t* key, uint8_t* trits, float* scales,
             int64_t bucket) {
@@ -209,6 +283,7 @@ void encode_feedback(Runner& runner, DType dt, const void* x, const float* resid
 // ---------------------------------------------------------------------------
 JAXCOMP_REGISTER(kTerngradEncode, Handlers::encode<terngrad_check_encode, encode>);
 JAXCOMP_REGISTER(kTerngradDecode, Handlers::decode<check_pair_decode<terngrad_sizes>, decode>);
+JAXCOMP_REGISTER(kTerngradDecodeSum, DecodeSumImpl);
 JAXCOMP_REGISTER(kTerngradEncodeFeedback, Handlers::feedback<terngrad_check_encode, encode_feedback>);
 
 }  // namespace

@@ -47,6 +47,7 @@ class TernGrad(BucketedCodec):
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
+    decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
 

@@ -59,6 +59,9 @@ inline constexpr Target kTerngradEncode{"jaxcomp_terngrad_encode",
                                         "bucket_size"};  // power of two
 //   decode: trits, scales -> flat output, the input's dtype
 inline constexpr Target kTerngradDecode{"jaxcomp_terngrad_decode", "bucket_size"};
+//   decode_sum (CPU): trits [rows, bytes], scales [rows, buckets] -> the
+//               rows' sum, flat float32; the decoder's attribute
+inline constexpr Target kTerngradDecodeSum{"jaxcomp_terngrad_decode_sum", "bucket_size"};
 //   encode_feedback (CPU): x, residual (f32, x's length), seed -> trits, scales
 //           of acc = float32(x) + residual, and acc - decode (f32)
 inline constexpr Target kTerngradEncodeFeedback{"jaxcomp_terngrad_encode_feedback", "bucket_size"};
