@@ -1,5 +1,5 @@
 // Float casts on the CPU (the Cast codec's encode and decode): the handlers of
-// kCast and kCastEncodeFeedback. The target, conversions and checks in include/jaxcomp/cast.h; twin:
+// kCast, kCastEncodeFeedback and kCastDecodeSum. The target, conversions and checks in include/jaxcomp/cast.h; twin:
 // astype (jaxcomp/codecs/cast.py).
 #include <algorithm>
 #include <cstdint>
@@ -106,8 +106,49 @@ ffi::Error CastFeedbackImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<
   });
 }
 
+// Decode-and-accumulate: the rows converted and added in row order, a chunk
+// of elements at a time (each row's part a loop of its own, which
+// vectorizes), so that no float32 row is written out.
+template <typename In>
+JC_CPU_LOOP void sum_rows_t(const In* v, int64_t rows, int64_t n, int64_t i0, int64_t i1, float* out) {
+  for (int64_t i = i0; i < i1; ++i) out[i] = to_f32(v[i]);
+  for (int64_t r = 1; r < rows; ++r) {
+    const In* row = v + r * n;
+    for (int64_t i = i0; i < i1; ++i) out[i] = out[i] + to_f32(row[i]);
+  }
+  for (int64_t i = i0; i < i1; ++i) out[i] = canonical_nan(out[i]);
+}
+
+ffi::Error CastDecodeSumImpl(ffi::ThreadPool pool, ffi::AnyBuffer values, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  const auto dims = values.dimensions();
+  const DType from = dtype_of(values.element_type());
+  if (dims.size() != 2 || out->dimensions().size() != 1 || dims[1] != out->dimensions()[0])
+    return invalid("expects values [rows, n] and a flat output of n");
+  if (from != DType::kBF16 && from != DType::kF16) return invalid("values must be bfloat16 or float16");
+  const int64_t rows = dims[0], n = dims[1];
+  float* o = out->typed_data();
+  hint_huge_pages(o, static_cast<int64_t>(out->size_bytes()));
+  if (rows == 0) {
+    std::fill(o, o + n, 0.0f);
+    return ffi::Error::Success();
+  }
+  PoolRunner runner(pool);
+  const int64_t chunk = std::max<int64_t>(1024, kElementsPerTask / rows);
+  parallel_for(runner, n, chunk, [&](int64_t i0, int64_t i1) {
+    for (int64_t c = i0; c < i1; c += chunk) {
+      const int64_t c1 = std::min(i1, c + chunk);
+      if (from == DType::kBF16)
+        sum_rows_t(static_cast<const bf16_t*>(values.untyped_data()), rows, n, c, c1, o);
+      else
+        sum_rows_t(static_cast<const f16_t*>(values.untyped_data()), rows, n, c, c1, o);
+    }
+  });
+  return ffi::Error::Success();
+}
+
 JAXCOMP_REGISTER(kCast, CastImpl);
 JAXCOMP_REGISTER(kCastEncodeFeedback, CastFeedbackImpl);
+JAXCOMP_REGISTER(kCastDecodeSum, CastDecodeSumImpl);
 
 }  // namespace
 }  // namespace jaxcomp

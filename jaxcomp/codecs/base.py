@@ -701,8 +701,8 @@ class Codec:
         What a device does with the chunks it receives in a reduce-scatter:
         ``((row 0 + row 1) + row 2) + ...``, every row decoded as
         :meth:`decode` decodes it. Codecs with a decode-and-accumulate
-        kernel (:attr:`decode_sum_kernel`: the CPU's, every fixed-rate codec
-        but the casts; QSGD's on CUDA too,
+        kernel (:attr:`decode_sum_kernel`: the CPU's, every fixed-rate
+        codec; QSGD's on CUDA too,
         :attr:`cuda_decode_sum_kernel`) never write a decoded row out;
         the twin (and every other codec) decodes the rows, then adds them.
 

@@ -37,6 +37,7 @@ class Cast(Codec):
     name: ClassVar[str] = "cast"
     codec_id: ClassVar[int] = 4
     feedback_kernel: ClassVar[bool] = True
+    decode_sum_kernel: ClassVar[bool] = True
 
     def __post_init__(self):
         if isinstance(self.dtype, str):

@@ -30,5 +30,9 @@ inline constexpr Target kCast{"jaxcomp_cast"};
 //   values (bfloat16 or float16, the result's dtype), new residual (f32):
 //   acc = f32(x) + residual converted, and acc - f32(values)
 inline constexpr Target kCastEncodeFeedback{"jaxcomp_cast_encode_feedback"};
+//   decode_sum (CPU): values [rows, n] (bfloat16 or float16) -> the rows'
+//   sum, flat float32: ((row 0 + row 1) + row 2) + ..., then common.h's NaN
+//   rule
+inline constexpr Target kCastDecodeSum{"jaxcomp_cast_decode_sum"};
 
 }  // namespace jaxcomp
