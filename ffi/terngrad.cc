@@ -8,6 +8,7 @@
 // buckets, so it needs all the scales first).
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_buckets.h"
 #include "cpu_runtime.h"
@@ -113,29 +114,40 @@ void decode_run(const uint8_t* in, float scale, int64_t run, T* out) {
   for (int64_t i = 0; i < run; ++i) out[i] = decoded<T>(terngrad_value(base3_digit(in[i], PLANE), scale));
 }
 
+// fn(plane, in, scale, e, run) for the runs of elements [e0, e1) of a
+// tensor of n in buckets of B that lie inside one plane and one bucket:
+// plane an std::integral_constant (base3_digit's), in the run's bytes of
+// `trits`, scale its bucket's of `scales`.
+template <typename Fn>
+inline void for_runs(int64_t n, int64_t B, const uint8_t* trits, const float* scales, int64_t e0, int64_t e1,
+                     const Fn& fn) {
+  const int64_t m = base3_bytes(n);
+  int64_t e = e0;
+  while (e < e1) {
+    const int64_t plane = e / m;
+    const int64_t run = std::min<int64_t>({e1 - e, (plane + 1) * m - e, (e / B + 1) * B - e});
+    const uint8_t* in = trits + (e - plane * m);
+    const float s = scales[e / B];
+    switch (plane) {
+      case 0: fn(std::integral_constant<int, 0>{}, in, s, e, run); break;
+      case 1: fn(std::integral_constant<int, 1>{}, in, s, e, run); break;
+      case 2: fn(std::integral_constant<int, 2>{}, in, s, e, run); break;
+      case 3: fn(std::integral_constant<int, 3>{}, in, s, e, run); break;
+      default: fn(std::integral_constant<int, 4>{}, in, s, e, run); break;
+    }
+    e += run;
+  }
+}
+
 // Elements [e0, e1).
 JC_CPU_LOOP void decode_range(const DecodeArgs& a, int64_t e0, int64_t e1) {
   with_type(a.dtype, [&](auto tag) {
     using T = decltype(tag);
     T* out = static_cast<T*>(a.out);
-    const int64_t m = base3_bytes(a.n);
-    const int64_t B = a.bucket;
-    int64_t e = e0;
-    while (e < e1) {
-      // A run inside one plane and one bucket.
-      const int64_t plane = e / m;
-      const int64_t run = std::min<int64_t>({e1 - e, (plane + 1) * m - e, (e / B + 1) * B - e});
-      const uint8_t* in = a.trits + (e - plane * m);
-      const float s = a.scales[e / B];
-      switch (plane) {
-        case 0: decode_run<T, 0>(in, s, run, out + e); break;
-        case 1: decode_run<T, 1>(in, s, run, out + e); break;
-        case 2: decode_run<T, 2>(in, s, run, out + e); break;
-        case 3: decode_run<T, 3>(in, s, run, out + e); break;
-        default: decode_run<T, 4>(in, s, run, out + e); break;
-      }
-      e += run;
-    }
+    for_runs(a.n, a.bucket, a.trits, a.scales, e0, e1,
+             [&](auto plane, const uint8_t* in, float s, int64_t e, int64_t run) {
+               decode_run<T, decltype(plane)::value>(in, s, run, out + e);
+             });
   });
 }
 
@@ -163,23 +175,10 @@ void sum_run(const uint8_t* in, float scale, int64_t run, float* out) {
 
 template <bool FIRST>
 void sum_row(const DecodeSumArgs& a, const uint8_t* trits, const float* scales, int64_t e0, int64_t e1) {
-  const int64_t m = base3_bytes(a.n);
-  const int64_t B = a.bucket;
-  int64_t e = e0;
-  while (e < e1) {
-    const int64_t plane = e / m;
-    const int64_t run = std::min<int64_t>({e1 - e, (plane + 1) * m - e, (e / B + 1) * B - e});
-    const uint8_t* in = trits + (e - plane * m);
-    const float s = scales[e / B];
-    switch (plane) {
-      case 0: sum_run<0, FIRST>(in, s, run, a.out + e); break;
-      case 1: sum_run<1, FIRST>(in, s, run, a.out + e); break;
-      case 2: sum_run<2, FIRST>(in, s, run, a.out + e); break;
-      case 3: sum_run<3, FIRST>(in, s, run, a.out + e); break;
-      default: sum_run<4, FIRST>(in, s, run, a.out + e); break;
-    }
-    e += run;
-  }
+  for_runs(a.n, a.bucket, trits, scales, e0, e1,
+           [&](auto plane, const uint8_t* in, float s, int64_t e, int64_t run) {
+             sum_run<decltype(plane)::value, FIRST>(in, s, run, a.out + e);
+           });
 }
 
 JC_CPU_LOOP void decode_sum_range(const DecodeSumArgs& a, int64_t e0, int64_t e1) {
