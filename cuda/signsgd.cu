@@ -52,31 +52,32 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The signs are written one byte per thread, so only the input (and under
-// error feedback the residuals) needs the alignment check.
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* signs, float* scales,
-            int64_t bucket) {
+// The encode (residual nullptr) or the encode under error feedback. The
+// signs are written one byte per thread, so only the input (and under error
+// feedback the residuals) needs the alignment check.
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, uint8_t* signs,
+                   float* scales, float* new_residual, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
+  bool vec = aligned16(x);
+  if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
-    signsgd_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales, nullptr,
-                                                                                    aligned16(x));
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    signsgd_encode_kernel<T, Feedback><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales,
+                                                                                       new_residual, vec);
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* signs, float* scales,
+            int64_t bucket) {
+  launch_encode<false>(stream, dt, x, nullptr, n, signs, scales, nullptr, bucket);
 }
 
 void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
                      uint8_t* signs, float* scales, float* new_residual, int64_t bucket) {
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const Input<T, true> in{static_cast<const T*>(x), residual, n};
-    const bool vec = aligned16(x) && aligned16(residual) && aligned16(new_residual);
-    signsgd_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales,
-                                                                                   new_residual, vec);
-  });
+  launch_encode<true>(stream, dt, x, residual, n, signs, scales, new_residual, bucket);
 }
 
 template <typename T>

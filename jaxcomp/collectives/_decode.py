@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcomp._ffi import Backend, cpu_available, resolve_backend
+from jaxcomp._ffi import Backend, cpu_available, cuda_available, resolve_backend
 from jaxcomp.codecs.base import Codec
-from jaxcomp.ops._dispatch import choose_path, platform_dependent
+from jaxcomp.ops._dispatch import platform_dependent
 from jaxcomp.payload import Payload
 
 
@@ -81,23 +81,29 @@ def decode_sum(payload: Payload) -> jax.Array:
 
     if not (codec.decode_sum_kernel and payload.dtype == jnp.float32):
         return fused_rows()
-    if codec.cuda_decode_sum_kernel:
-        return choose_path("auto", lambda b: codec.decode_sum(payload, backend=b), fused_rows)()
-    if resolve_backend("auto") is Backend.XLA or not cpu_available():
+    if resolve_backend("auto") is Backend.XLA:
         return fused_rows()
 
-    # The CPU's kernel; elsewhere the fused rows (one primitive with a rule
-    # per platform, as compress_kept's). The arrays go as a tuple, in layout
-    # order: a dict would be flattened in the order of its sorted keys.
+    # The codec's kernel on each platform that has one and the fused rows
+    # elsewhere: one primitive with a rule per platform, as compress_kept's.
+    # The arrays go as a tuple, in layout order: a dict would be flattened
+    # in the order of its sorted keys.
     names = tuple(payload.arrays)
 
     def rebuilt(arrays):
         return Payload(codec, payload.shape, payload.dtype, dict(zip(names, arrays, strict=True)))
 
+    def kernel(arrays):
+        return codec.decode_sum(rebuilt(arrays), backend="auto")
+
+    def rows(arrays):
+        return fused_rows(rebuilt(arrays))
+
     return platform_dependent(
         tuple(payload.arrays.values()),
-        cpu=lambda a: codec.decode_sum(rebuilt(a), backend="auto"),
-        default=lambda a: fused_rows(rebuilt(a)),
+        cpu=kernel if cpu_available() else rows,
+        cuda=kernel if codec.cuda_decode_sum_kernel and cuda_available() else rows,
+        default=rows,
     )
 
 

@@ -22,9 +22,7 @@ saves as well.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 import jax
 import numpy as np
@@ -33,8 +31,6 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jaxcomp._ffi import Backend, cpu_available, cuda_available, kernels_line, resolve_backend
-
-T = TypeVar("T")
 
 
 def ffi_call(
@@ -197,19 +193,3 @@ def _batched(args, dims, *, cpu, cuda, default, out_avals):
 
 
 batching.primitive_batchers[_call_p] = _batched
-
-
-def choose_path(
-    backend: str, kernel_path: Callable[[Backend], T], twin_path: Callable[[], T]
-) -> Callable[[], T]:
-    """Which of two whole computations runs, decided once, at trace time:
-    ``kernel_path`` (called with the resolved backend), which dispatches
-    its own kernels per platform (a codec's decode-and-sum kernel, with its
-    unfused twin where a platform has no kernel), where ``backend`` may run
-    kernels and this process has some loaded; else ``twin_path``, pure JAX
-    that XLA fuses into its consumer. Returned for the caller to run, so
-    that the path's own dispatch does not run inside this one."""
-    resolved = resolve_backend(backend)
-    if resolved is not Backend.XLA and (cpu_available() or cuda_available()):
-        return functools.partial(kernel_path, resolved)
-    return twin_path
