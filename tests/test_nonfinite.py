@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
+from jaxcomp.optax._step import all_finite
 
 N_DEV = 8
 AXIS = "data"
@@ -186,6 +187,36 @@ def test_a_bad_step_is_as_if_it_never_came(meshes, algorithm, names):
                 seq, {k: (leaf, d, pos, BAD[(i + j) % 3]) for j, k in enumerate(bad_steps)}
             )
             check_skipped(step, state0, seq, bad_steps, bad)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("size", [1, 2048, 65536, 1 << 20])
+def test_the_flag_sees_every_non_finite_value_at_every_size(size, dtype):
+    """all_finite on one large array: a reduction by max skips NaN on the
+    CPU backend past a size (a library takes the reduction over), which
+    read NaN means as finite from 65,536 elements on."""
+    flag = jax.jit(lambda a: all_finite([a]))
+    x = jnp.linspace(-3.0, 3.0, size, dtype=dtype)
+    assert bool(flag(x))
+    for value in BAD:
+        for pos in {0, size // 3, size - 1}:
+            assert not bool(flag(x.at[pos].set(value))), (value, pos)
+
+
+def test_a_bad_step_of_a_large_leaf_is_skipped(meshes):
+    """The whole step, one leaf of 2^17 elements per device (the mean is
+    past the size where the CPU backend's max reduction skips NaN): a NaN
+    or an inf on one device leaves the state as it was."""
+    mesh = meshes[AXIS]
+    size = 1 << 17
+    tx = jc.optax.compress_gradients(jc.codecs.Int8(), AXIS)
+    params = {"w": jnp.zeros(size)}
+    state0 = jc.optax.init(tx, params, mesh, AXIS)
+    step = mapped_step(mesh, AXIS, tx, state0)
+    rng = np.random.default_rng(3)
+    seq = [{"w": rng.standard_normal((N_DEV, size)).astype(np.float32)} for _ in range(3)]
+    bad = inject(seq, {1: ("w", 2, 12345, np.nan), 2: ("w", 5, 77, np.inf)})
+    check_skipped(step, state0, seq, (1, 2), bad)
 
 
 def test_the_check_costs_no_collective(meshes):
