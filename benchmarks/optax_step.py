@@ -10,8 +10,10 @@ then sgd), on N CPU devices of one process.
     python benchmarks/optax_step.py --devices 4 --fast 2 --matrices 4 --bare   # 2 x 2, hierarchical
 
 Each step takes per-device gradients and the optimizer state and returns the
-new parameters and state (jit + shard_map, state donated), so it times the
-whole update: error feedback, fusion, encode, the collectives, decode and
+new parameters and state (jit + shard_map, parameters and state donated, as
+``jc.data_parallel`` donates them: where only the state is, XLA may give
+the new parameters the buffers of residuals of their size, and every such
+residual is then copied at each step), so it times the whole update: error feedback, fusion, encode, the collectives, decode and
 the sgd update. The devices share this machine's memory and cores, so no
 link is slow here: the figure is the step's compute and copy overhead over
 ``lax.pmean``, not the speedup over a slow network (benchmarks/collectives.py).
@@ -52,6 +54,11 @@ gradient and the residual and writes what one fused pass must write, the
 new residual and a payload of the codec's size (bits per element of the
 leaf). Error feedback done in one pass costs at least that over the plain
 step; the full update's distance to it is what a fused kernel can win.
+With ``--bare`` too, it adds the bare all-reduce's step plus one pass per
+leaf that reads a residual and writes the new one: error feedback's own
+traffic on top of the encode the bare step runs. Its "x bare jc.pmean" is
+the least any error feedback can cost over the bare all-reduce on this
+machine, fused kernels or not.
 """
 
 from __future__ import annotations
@@ -177,7 +184,7 @@ def main() -> int:
     def profile(step, state, label: str, steps: int = 3, top: int = 14) -> None:
         """The ops of the compiled step that take the most time (summed over
         the devices, per step) and the bytes each writes."""
-        f = jax.jit(step, donate_argnums=(1,)).lower(params, state, grads).compile()
+        f = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
         written = {}
         for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = \(?(\w+)\[([\d,]*)\]", f.as_text(), re.M):
             dims = [int(d) for d in m.group(3).split(",") if d]
@@ -185,7 +192,7 @@ def main() -> int:
                 m.group(2), 4
             )
             written[m.group(1)] = int(np.prod(dims, dtype=np.int64)) * itemsize
-        p, state = f(params, state, grads)
+        p, state = f(fresh(), state, grads)
         jax.block_until_ready(p)
         with tempfile.TemporaryDirectory() as tmp:
             jax.profiler.start_trace(tmp)
@@ -213,9 +220,9 @@ def main() -> int:
     def footprint(step, state, label: str, steps: int = 5) -> None:
         """Temporary MiB of the compiled step (per device program), minor
         page faults and system milliseconds per step."""
-        f = jax.jit(step, donate_argnums=(1,)).lower(params, state, grads).compile()
+        f = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
         temp = f.memory_analysis().temp_size_in_bytes
-        p, state = f(params, state, grads)
+        p, state = f(fresh(), state, grads)
         jax.block_until_ready(p)
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         for _ in range(steps):
@@ -239,13 +246,18 @@ def main() -> int:
         finally:
             setattr(obj, name, old)
 
+    def fresh():
+        """A copy of the parameters, for a step that donates them."""
+        return jax.tree.map(jnp.copy, params)
+
     def timed(step, state) -> dict:
-        """Compiles ``step`` and runs it once; :func:`run_rounds` times it."""
-        f = jax.jit(step, donate_argnums=(1,))
-        p, state = f(params, state, grads)
+        """Compiles ``step`` and runs it once; :func:`run_rounds` times it.
+        The step donates the parameters and the state, as ``jc.data_parallel``
+        does: each job carries a copy of the parameters of its own."""
+        f = jax.jit(step, donate_argnums=(0, 1))
+        p, state = f(fresh(), state, grads)
         jax.block_until_ready(p)
-        del p  # every timed call starts from params: one copy of them, not one per job
-        job = {"f": f, "state": state, "times": []}
+        job = {"f": f, "params": p, "state": state, "times": []}
         jobs.append(job)
         return job
 
@@ -255,13 +267,13 @@ def main() -> int:
         for r in range(rounds):
             n = args.reps // rounds + (r < args.reps % rounds)
             for job in jobs:
-                state = job["state"]
+                p, state = job["params"], job["state"]
                 for _ in range(n):
                     t0 = time.perf_counter()
-                    p, state = job["f"](params, state, grads)
+                    p, state = job["f"](p, state, grads)
                     jax.block_until_ready(p)
                     job["times"].append(time.perf_counter() - t0)
-                job["state"] = state
+                job["params"], job["state"] = p, state
 
     def ms(job: dict) -> float:
         return statistics.median(job["times"])
@@ -343,6 +355,24 @@ def main() -> int:
         state = (sgd.init(params), *jax.device_put((residuals, payloads), per_device))
         return make_step(update, (P(), P(axis), P(axis))), state
 
+    def bare_residual(codec):
+        """The bare all-reduce's step plus one pass per leaf that reads a
+        float32 residual and writes the new one (state, so that XLA writes it
+        out): the traffic error feedback adds to the encode the bare step
+        already runs, with nothing else. No error feedback, fused or not,
+        costs less over the bare all-reduce than this row."""
+        update = bare_pmean(codec)
+
+        def with_residual(p, s, g):
+            opt, residuals = s
+            u, opt = update(p, opt, g)
+            return u, (opt, {name: r * 0.5 for name, r in residuals.items()})
+
+        per_device = NamedSharding(mesh, P(axis))
+        residuals = {k: jnp.zeros((args.devices, *v.shape), jnp.float32) for k, v in params.items()}
+        state = (sgd.init(params), jax.device_put(residuals, per_device))
+        return make_step(with_residual, (P(), P(axis))), state
+
     base_job = timed(make_step(plain), sgd.init(params))
     if args.profile:
         footprint(make_step(plain), sgd.init(params), "`lax.pmean` + sgd")
@@ -412,6 +442,12 @@ def main() -> int:
                 label = f"`{spec}` bare jc.pmean (value only, rows decoded) + sgd"
                 rows.append(row(label, rows_bare, tail))
             rows.append(row(f"`{spec}` bare jc.pmean (value only) + sgd", bare_job, tail))
+            if args.floor:
+                bound = timed(*bare_residual(codec))
+                label = f"`{spec}` bare jc.pmean + sgd + one residual pass in jnp"
+                rows.append(
+                    row(label, bound, lambda b=bound, j=bare_job: f" {ms(b) / ms(j):.2f} | |")
+                )
         if args.floor:
             floor_job = timed(*floor(codec))
             ratios.append(floor_job)
