@@ -159,16 +159,18 @@ def reduce(plan: Plan, packs, axes, *, key, algorithm: str, warmup, servers=None
 def _finite(a: jax.Array) -> jax.Array:
     """bool[]: whether every element of ``a`` is finite.
 
-    For real floats as ``sum(a * 0)`` being finite: every term is a signed
-    zero but where ``a`` is an inf or a NaN, and a sum propagates NaN on
-    every backend (XLA does not fold ``a * 0`` for floats). One read of
+    For real floats as ``sum(a - a)`` being finite: every term is a zero
+    but where ``a`` is an inf or a NaN (a NaN), and a sum propagates NaN on
+    every backend (XLA does not fold ``a - a`` for floats). One read of
     ``a``, nothing written. Not ``max|a|``: XLA's max propagates NaN, but
     the CPU backend hands large reductions to a library whose max skips NaN
-    (jaxlib 0.12: a NaN in a 65,536-element mean read as finite), and
-    ``all(isfinite(a))`` first materializes a mask of ``a``'s size."""
+    (jaxlib 0.12: a NaN in a 65,536-element mean read as finite). Not
+    ``sum(a * 0)``: XLA:CPU materializes the zero as a tensor of ``a``'s
+    size and reads it too. And ``all(isfinite(a))`` first materializes a
+    mask of ``a``'s size."""
     if not jnp.issubdtype(a.dtype, jnp.floating):
         return jnp.all(jnp.isfinite(a))
-    return jnp.isfinite(jnp.sum(a * jnp.zeros((), a.dtype)))
+    return jnp.isfinite(jnp.sum(a - a))
 
 
 def all_finite(arrays) -> jax.Array:
