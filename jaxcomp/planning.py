@@ -127,7 +127,10 @@ def testbed_link(rate: str) -> Link:
       the queue holds ``rate * latency + burst`` of tbf (1gbit: 5 ms and
       256 KiB, 100mbit: 20 ms and 32 KiB; testbed.md): an all-to-all that
       posts less than that at once loses no packet (tc's counters,
-      docs/choosing.md).
+      docs/choosing.md). That is XLA's all-to-all, with which the rows
+      this model is checked against were measured; jaxcomp's collectives
+      now run the all-to-all as ``ppermute`` rounds between CPU processes
+      (``_exchange.pairwise``), faster there than this term says.
     """
     if rate == "1gbit":
         return Link(1e9, 0.0, 0.955, 0.387 / 0.201, 1e9 / 8 * 0.005 + (256 << 10))

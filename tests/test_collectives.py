@@ -697,3 +697,53 @@ def test_exported_for_cpu_and_cuda_gives_the_same_bytes(codec, alg):
         exported = jax.export.export(g, platforms=("cpu", "cuda"), disabled_checks=checks)(x, key)
         for got, want in zip(exported.call(x, key), g(x, key), strict=True):
             assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("size", [2, 3, 8])
+def test_pairwise_exchange_is_the_all_to_all(size):
+    """The all-to-all as size - 1 rounds of ppermute (the default where the
+    devices belong to several CPU processes) moves every row where XLA's
+    all-to-all does, bit for bit."""
+    if len(jax.devices()) < size:
+        pytest.skip(f"needs {size} devices")
+    m = jax.make_mesh(
+        (size,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:size]
+    )
+    for shape, dtype in [((size, 5), jnp.uint8), ((size, 3, 7), jnp.float32)]:
+        x = (jnp.arange(size * np.prod(shape)).reshape(size, *shape) % 251).astype(dtype)
+
+        def moved(fn, x):
+            body = lambda a: fn(a[0], "data")[None]  # noqa: E731
+            return jax.jit(jax.shard_map(body, mesh=m, in_specs=P("data"), out_specs=P("data")))(x)
+
+        want = moved(lambda a, axis: jax.lax.all_to_all(a, axis, 0, 0), x)
+        got = moved(jcc._exchange.pairwise, x)
+        assert got.dtype == want.dtype and np.array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize(
+    "codec", [jc.codecs.QSGD(bits=4, bucket_size=64), jc.codecs.TopK(fraction=0.05)], ids=repr
+)
+def test_pairwise_all_reduce_gives_the_same_bits(mesh, monkeypatch, codec):
+    """JAXCOMP_ALL_TO_ALL=pairwise changes how the rows travel, not what
+    arrives: two-phase and the sparse all-reduce give the same value and
+    sent, bit for bit, and two-phase's program holds ppermutes in place of
+    the all-to-all."""
+    alg = "sparse" if codec.rate is jc.codecs.Rate.SPARSE else "two_phase"
+    x = jax.random.normal(jax.random.key(3), (N_DEV, 1001))
+    results, texts = {}, {}
+    for how in ("native", "pairwise"):
+        monkeypatch.setenv("JAXCOMP_ALL_TO_ALL", how)
+        g, results[how] = _run(mesh, codec, alg, x)  # a fresh jit: traced now
+        texts[how] = g.lower(x, KEY).as_text()
+    for a, b in zip(results["native"], results["pairwise"], strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    assert "all_to_all" not in texts["pairwise"]
+    if alg == "two_phase":  # the sparse all-reduce of so few pairs all-gathers them
+        assert "all_to_all" in texts["native"] and "collective_permute" in texts["pairwise"]
+
+
+def test_all_to_all_setting_is_checked(mesh, monkeypatch):
+    monkeypatch.setenv("JAXCOMP_ALL_TO_ALL", "ring")
+    with pytest.raises(ValueError, match="JAXCOMP_ALL_TO_ALL='ring'"):
+        _run(mesh, jc.codecs.QSGD(bits=4), "two_phase", jnp.ones((N_DEV, 64)))

@@ -9,6 +9,7 @@ A collective is named by its kind, as the compiled HLO names it and as
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 
 import jax
@@ -24,10 +25,54 @@ def _to_next(a: jax.Array, axis) -> jax.Array:
     return lax.ppermute(a, axis, [(d, (d + 1) % size) for d in range(size)])
 
 
+def pairwise(a: jax.Array, axis) -> jax.Array:
+    """``lax.all_to_all(a, axis, 0, 0)`` as ``size - 1`` rounds of
+    ``ppermute``: in round ``k`` every device sends its row for device
+    ``me + k`` there and receives the row device ``me - k`` has for it,
+    the pairwise exchange of MPICH's all-to-all for long messages (Thakur,
+    Rabenseifner and Gropp, 2005). Each device has one flow in flight at a
+    time where the all-to-all posts its ``size - 1`` sends at once; over
+    TCP into a shallow queue those overflow it and lose packets
+    (docs/choosing.md, "The all-to-all loses packets"). The same bytes
+    arrive in the same places, bit for bit. Each round waits for the
+    previous one's result (:func:`~jaxcomp.collectives.after`), so that
+    every device enters them in one order on XLA:CPU."""
+    from jaxcomp.collectives._order import after  # _order needs nothing of this module
+
+    size = lax.axis_size(axis)
+    if size == 1:
+        return a
+    me = lax.axis_index(axis)
+    got = [lax.dynamic_index_in_dim(a, me, 0, keepdims=False)]  # got[k]: from me - k
+    for k in range(1, size):
+        row = lax.dynamic_index_in_dim(a, (me + k) % size, 0, keepdims=False)
+        got.append(
+            lax.ppermute(after(row, got[-1]), axis, [(d, (d + k) % size) for d in range(size)])
+        )
+    # row j of the result came from device j, in round (me - j) mod size
+    return jnp.take(jnp.stack(got), (me - jnp.arange(size)) % size, axis=0)
+
+
+def _all_to_all(a: jax.Array, axis) -> jax.Array:
+    """The all-to-all of row ``j`` of ``a`` to device ``j``, XLA's own or
+    :func:`pairwise`, as ``JAXCOMP_ALL_TO_ALL`` says ("native",
+    "pairwise"; unset or "auto": pairwise where the devices belong to
+    several processes of the CPU backend, whose collectives go over TCP;
+    XLA's elsewhere), read when the program is traced."""
+    how = os.environ.get("JAXCOMP_ALL_TO_ALL", "auto").strip().lower() or "auto"
+    if how not in ("auto", "native", "pairwise"):
+        raise ValueError(f"JAXCOMP_ALL_TO_ALL={how!r}: expected auto, native or pairwise")
+    if how == "auto":
+        how = "pairwise" if jax.process_count() > 1 and jax.default_backend() == "cpu" else "native"
+    if how == "pairwise":
+        return pairwise(a, axis)
+    return lax.all_to_all(a, axis, 0, 0)
+
+
 # The data-moving collective of each kind, over one axis.
 _MOVES: dict[str, Callable[[jax.Array, object], jax.Array]] = {
     "all-gather": lambda a, axis: lax.all_gather(a, axis),
-    "all-to-all": lambda a, axis: lax.all_to_all(a, axis, 0, 0),
+    "all-to-all": _all_to_all,
     "collective-permute": _to_next,
 }
 
