@@ -325,6 +325,13 @@ def main() -> int:
 
         return update
 
+    def per_device(tree):
+        """``tree`` of ``{leaf: [devices, ...]}`` arrays, one row per device."""
+        return jax.device_put(tree, NamedSharding(mesh, P(axis)))
+
+    def zero_residuals():
+        return {k: jnp.zeros((args.devices, *v.shape), jnp.float32) for k, v in params.items()}
+
     def floor(codec):
         """The plain step plus one pass per leaf that reads the gradient and
         the residual and writes the new residual and a payload of the
@@ -347,12 +354,10 @@ def main() -> int:
             new_residuals = {name: o[0] for name, o in out.items()}
             return u, (opt, new_residuals, {name: o[1] for name, o in out.items()})
 
-        per_device = NamedSharding(mesh, P(axis))
-        residuals = {k: jnp.zeros((args.devices, *v.shape), jnp.float32) for k, v in params.items()}
         payloads = {
             k: jnp.zeros((args.devices, v.size // group[k]), jnp.float32) for k, v in params.items()
         }
-        state = (sgd.init(params), *jax.device_put((residuals, payloads), per_device))
+        state = (sgd.init(params), *per_device((zero_residuals(), payloads)))
         return make_step(update, (P(), P(axis), P(axis))), state
 
     def bare_residual(codec):
@@ -368,9 +373,7 @@ def main() -> int:
             u, opt = update(p, opt, g)
             return u, (opt, {name: r * 0.5 for name, r in residuals.items()})
 
-        per_device = NamedSharding(mesh, P(axis))
-        residuals = {k: jnp.zeros((args.devices, *v.shape), jnp.float32) for k, v in params.items()}
-        state = (sgd.init(params), jax.device_put(residuals, per_device))
+        state = (sgd.init(params), per_device(zero_residuals()))
         return make_step(with_residual, (P(), P(axis))), state
 
     base_job = timed(make_step(plain), sgd.init(params))

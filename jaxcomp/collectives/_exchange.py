@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.collectives._order import after
 from jaxcomp.payload import Payload
 
 
@@ -37,8 +38,6 @@ def pairwise(a: jax.Array, axis) -> jax.Array:
     arrive in the same places, bit for bit. Each round waits for the
     previous one's result (:func:`~jaxcomp.collectives.after`), so that
     every device enters them in one order on XLA:CPU."""
-    from jaxcomp.collectives._order import after  # _order needs nothing of this module
-
     size = lax.axis_size(axis)
     if size == 1:
         return a
