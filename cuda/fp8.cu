@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_runtime.cuh"
 #include "jaxcomp/fp8.h"
@@ -47,6 +48,45 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The tile encode (kernels.cuh) of buckets of at most 8 * 32 * kMaxTileGroups
+// values: the codes, scales and residual of fp8_encode_kernel, the input
+// read once and the codes stored 8 bytes at a time.
+template <typename T, bool STOCHASTIC, bool Feedback, int G>
+__global__ void __launch_bounds__(kThreads)
+    fp8_encode_tile(Input<T, Feedback> in, int64_t num_buckets, int64_t bucket, int lanes_log2, int format,
+                    const uint32_t* __restrict__ seed, uint8_t* __restrict__ codes, float* __restrict__ scales,
+                    float* __restrict__ new_residual, bool vec) {
+  const TileSlot t = tile_slot(lanes_log2, bucket, num_buckets);
+  const uint32_t k0 = seed[0], k1 = seed[1];
+  float v[G][8];
+  load_tile(in, t, vec, v);
+  const float m = tile_max_abs(v, t.lanes);
+  if (!t.live) return;  // after the last shuffle
+  const MiniFormat f = mini_format(format);
+  if (t.lane == 0) scales[t.bucket] = m;
+  const float inv = fp8_inv(m, f);
+  const float step = fp8_step(m, f);
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+    uint8_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float scaled = v[s][j] * inv;
+      const uint32_t u = static_cast<uint32_t>(i0) + static_cast<uint32_t>(j);
+      c[j] = static_cast<uint8_t>(STOCHASTIC ? mini_encode(scaled, f, rng_uniform(k0, k1, u))
+                                             : mini_encode_rn(scaled, f));
+    }
+    store_bytes8(codes + i0, vec, c);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = step != step ? NAN : mini_value(c[j], f) * step;
+      store_residual8(new_residual, i0, in.n, vec, v[s], hat);
+    }
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     fp8_decode_kernel(const uint8_t* __restrict__ codes, const float* __restrict__ scales, T* __restrict__ out,
@@ -67,12 +107,28 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
                    int64_t format, int64_t stochastic) {
   const int64_t nb = num_buckets(n, bucket);
   const Geometry g = geometry(bucket);
+  bool vec = aligned16(x) && aligned16(codes);
+  if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, static_cast<int>(format), seed, codes, scales,
-                                                          new_residual);
+    const int fmt = static_cast<int>(format);
+    const int groups = tile_groups(bucket);
+    if (groups == 0) {
+      auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
+      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, fmt, seed, codes, scales, new_residual);
+      return;
+    }
+    auto pick = [&](auto stochastic_tag) {
+      constexpr bool kStochastic = decltype(stochastic_tag)::value;
+      return groups == 1 ? fp8_encode_tile<T, kStochastic, Feedback, 1>
+             : groups == 2 ? fp8_encode_tile<T, kStochastic, Feedback, 2>
+                           : fp8_encode_tile<T, kStochastic, Feedback, 4>;
+    };
+    auto kernel = stochastic != 0 ? pick(std::true_type{}) : pick(std::false_type{});
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, fmt, seed, codes, scales,
+                                                             new_residual, vec);
   });
 }
 

@@ -46,28 +46,79 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int8_t* q, float* scales, int64_t bucket) {
+// The tile encode (kernels.cuh) of buckets of at most 8 * 32 * kMaxTileGroups
+// values: the same codes, scales and residual, the input read once.
+template <typename T, bool Feedback, int G>
+__global__ void __launch_bounds__(kThreads)
+    int8_encode_tile(Input<T, Feedback> in, int64_t num_buckets, int64_t bucket, int lanes_log2,
+                     int8_t* __restrict__ q, float* __restrict__ scales, float* __restrict__ new_residual, bool vec) {
+  const TileSlot t = tile_slot(lanes_log2, bucket, num_buckets);
+  float v[G][8];
+  load_tile(in, t, vec, v);
+  const float m = tile_max_abs(v, t.lanes);
+  if (!t.live) return;  // after the last shuffle
+  if (t.lane == 0) scales[t.bucket] = m;
+  const float inv = int8_inv(m);
+  const float step = int8_step(m);
+  uint8_t* out = reinterpret_cast<uint8_t*>(q);
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+    uint8_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = static_cast<uint8_t>(int8_code(v[s][j], inv));
+    store_bytes8(out + i0, vec, c);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = int8_value(static_cast<int8_t>(c[j]), step);
+      store_residual8(new_residual, i0, in.n, vec, v[s], hat);
+    }
+  }
+}
+
+// The encode (residual nullptr) or the encode under error feedback: the tile
+// kernel where the bucket fits one, else the two-phase kernel.
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, int8_t* q,
+                   float* scales, float* new_residual, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
+  bool vec = aligned16(x) && aligned16(q);
+  if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
-    int8_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(
-        in, nb, g, q, scales, nullptr, aligned16(x) && aligned16(q));
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    const unsigned blocks = tile_blocks(nb, bucket);
+    switch (tile_groups(bucket)) {
+      case 1:
+        int8_encode_tile<T, Feedback, 1>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, q, scales, new_residual, vec);
+        return;
+      case 2:
+        int8_encode_tile<T, Feedback, 2>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, q, scales, new_residual, vec);
+        return;
+      case 4:
+        int8_encode_tile<T, Feedback, 4>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, q, scales, new_residual, vec);
+        return;
+      default: {
+        const Geometry g = geometry(bucket);
+        int8_encode_kernel<T, Feedback>
+            <<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, q, scales, new_residual, vec);
+      }
+    }
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, int8_t* q, float* scales, int64_t bucket) {
+  launch_encode<false>(stream, dt, x, nullptr, n, q, scales, nullptr, bucket);
 }
 
 void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, int8_t* q,
                      float* scales, float* new_residual, int64_t bucket) {
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const Input<T, true> in{static_cast<const T*>(x), residual, n};
-    const bool vec = aligned16(x) && aligned16(residual) && aligned16(q) && aligned16(new_residual);
-    int8_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, q, scales, new_residual,
-                                                                               vec);
-  });
+  launch_encode<true>(stream, dt, x, residual, n, q, scales, new_residual, bucket);
 }
 
 template <typename T>

@@ -290,6 +290,153 @@ __device__ __forceinline__ float bucket_max_abs(const T* __restrict__ x, int64_t
   return bucket_max_abs(Input<T, false>{x, nullptr, n}, start, g, lane);
 }
 
+// ---------------------------------------------------------------------------
+// Buckets held in registers (the tile encodes). A bucket of B <= 8 * 32 *
+// kMaxTileGroups values is handled by lanes = min(B / 8, 32) threads of one
+// warp (a segment, aligned within the warp); lane l holds the groups of 8
+// l, l + lanes, ..., l + (G - 1) * lanes, G = B / (8 * lanes), in registers.
+// The input (and under error feedback the residual) is read from memory
+// once, with every group slot a contiguous, 16-byte-per-access load across
+// the warp and all of a lane's loads in flight together; the bucket's
+// reduction runs over the registers and warp shuffles (no shared memory, no
+// barrier); the codes and the new residual are then formed from the same
+// registers. Larger buckets take the two-phase kernels above.
+// ---------------------------------------------------------------------------
+constexpr int kMaxTileGroups = 4;
+constexpr unsigned kFullWarp = 0xffffffffu;
+
+// G for a bucket, or 0 where the bucket takes the two-phase kernels.
+inline int tile_groups(int64_t bucket) {
+  const int64_t lanes = bucket / 8 < 32 ? bucket / 8 : 32;
+  const int64_t groups = bucket / (8 * lanes);
+  return groups <= kMaxTileGroups ? static_cast<int>(groups) : 0;
+}
+
+struct TileSlot {
+  int lane;        // within the segment
+  int lanes;       // the segment's threads: a power of two <= 32
+  int64_t bucket;  // may be >= the bucket count in the last block
+  int64_t start;   // first element of the bucket
+  bool live;       // bucket < the bucket count
+};
+
+// Every warp is whole (kThreads is a multiple of 32) and no thread returns
+// before the reductions, so the full-warp shuffles see all 32 lanes; a
+// segment past the last bucket reads zeros and stores nothing.
+__device__ __forceinline__ TileSlot tile_slot(int lanes_log2, int64_t bucket_size, int64_t num_buckets) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  TileSlot s;
+  s.lanes = 1 << lanes_log2;
+  s.lane = static_cast<int>(threadIdx.x) & (s.lanes - 1);
+  s.bucket = tid >> lanes_log2;
+  s.start = s.bucket * bucket_size;
+  s.live = s.bucket < num_buckets;
+  return s;
+}
+
+// Blocks for a tile encode: lanes threads per bucket.
+inline unsigned tile_blocks(int64_t nb, int64_t bucket) {
+  const int64_t lanes = bucket / 8 < 32 ? bucket / 8 : 32;
+  return static_cast<unsigned>((nb * lanes + kThreads - 1) / kThreads);
+}
+
+// The first element of group slot s of this lane.
+__device__ __forceinline__ int64_t tile_group_start(const TileSlot& t, int s) {
+  return t.start + 8 * (static_cast<int64_t>(t.lane) + static_cast<int64_t>(s) * t.lanes);
+}
+
+// The lane's G groups of the input (acc under error feedback), all loads
+// issued before any is used.
+template <int G, typename In>
+__device__ __forceinline__ void load_tile(const In& in, const TileSlot& t, bool vec, float (&v)[G][8]) {
+#pragma unroll
+  for (int s = 0; s < G; ++s) in.group(tile_group_start(t, s), vec, v[s]);
+}
+
+// max over the segment of a per-lane integer (an exact max: any order).
+__device__ __forceinline__ uint32_t segment_max(uint32_t m, int lanes) {
+  for (int o = lanes / 2; o >= 1; o /= 2) {
+    const uint32_t other = __shfl_xor_sync(kFullWarp, m, o);
+    m = other > m ? other : m;
+  }
+  return m;
+}
+
+// max|v| over the tile's bucket (abs_bits: NaN propagates).
+template <int G>
+__device__ __forceinline__ float tile_max_abs(const float (&v)[G][8], int lanes) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int s = 0; s < G; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) m = abs_bits(v[s][j]) > m ? abs_bits(v[s][j]) : m;
+  return bits_f32(segment_max(m, lanes));
+}
+
+// A shuffle of any value made of 32-bit words.
+template <typename V>
+__device__ __forceinline__ V shfl_words(V v, int src_or_delta, bool down) {
+  static_assert(sizeof(V) % 4 == 0, "a value of 32-bit words");
+  uint32_t w[sizeof(V) / 4];
+  memcpy(w, &v, sizeof(V));
+#pragma unroll
+  for (int k = 0; k < static_cast<int>(sizeof(V) / 4); ++k)
+    w[k] = down ? __shfl_down_sync(kFullWarp, w[k], src_or_delta) : __shfl_sync(kFullWarp, w[k], src_or_delta);
+  memcpy(&v, w, sizeof(V));
+  return v;
+}
+
+// The halving tree of common.h over the tile's bucket, in its exact order:
+// element i = 8 * (lane + s * lanes) + j. The levels w >= 8 * lanes add
+// slot s + w / (8 lanes) into slot s of the same lane and position; the
+// levels 8 <= w < 8 * lanes add lane l + w / 8 into lane l (slot 0); the
+// levels w < 8 add position j + w into j (lane 0, slot 0). Each addition
+// keeps the lower index on the left, as a[i] + a[i + w]. a is consumed;
+// every lane of the segment gets the total.
+template <typename V, int G>
+__device__ __forceinline__ V tile_tree_sum(V (&a)[G][8], int lanes) {
+#pragma unroll
+  for (int h = G / 2; h >= 1; h /= 2)
+#pragma unroll
+    for (int s = 0; s < h; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) a[s][j] = a[s][j] + a[s + h][j];
+  for (int o = lanes / 2; o >= 1; o /= 2) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const V other = shfl_words(a[0][j], o, true);  // lanes >= o add what they will never use
+      a[0][j] = a[0][j] + other;
+    }
+  }
+#pragma unroll
+  for (int w = 4; w >= 1; w /= 2)
+#pragma unroll
+    for (int j = 0; j < w; ++j) a[0][j] = a[0][j] + a[0][j + w];
+  const int base = (static_cast<int>(threadIdx.x) & 31) & ~(lanes - 1);
+  return shfl_words(a[0][0], base, false);
+}
+
+// Packed codes of a group of 8 (pack8's bytes), stored as one 1-, 2-, 4- or
+// 8-byte word where the layout allows it: `out` is the group's first byte,
+// `vec` says the packed buffer is 16-byte aligned (so the group's word is
+// aligned for bits 1, 2, 4 and 8).
+__device__ __forceinline__ void store_packed8(uint8_t* __restrict__ out, int bits, bool vec, const uint8_t c[8]) {
+  if (bits == 8) {
+    store_bytes8(out, vec, c);
+    return;
+  }
+  uint32_t w = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) w |= static_cast<uint32_t>(c[j]) << (j * bits);
+  if (vec && bits == 4) {
+    *reinterpret_cast<uint32_t*>(out) = w;
+  } else if (vec && bits == 2) {
+    *reinterpret_cast<uint16_t*>(out) = static_cast<uint16_t>(w);
+  } else {
+    for (int b = 0; b < bits; ++b) out[b] = static_cast<uint8_t>(w >> (8 * b));
+  }
+}
+
 // The segment and lane of this thread, and its bucket.
 struct Slot {
   int lane;

@@ -70,30 +70,96 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The bits are written one byte per thread, so only the input (and the
-// residuals) need the alignment check.
-void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* bits, float* means, int64_t bucket) {
+// The tile encode (kernels.cuh) of buckets of at most 8 * 32 * kMaxTileGroups
+// values: the bits, means and residual of onebit_encode_kernel, the input
+// read once and the sums the same halving tree over the registers.
+template <typename T, bool Feedback, int G>
+__global__ void __launch_bounds__(kThreads)
+    onebit_encode_tile(Input<T, Feedback> in, int64_t num_buckets, int64_t bucket, int lanes_log2,
+                       uint8_t* __restrict__ bits, float* __restrict__ means, float* __restrict__ new_residual,
+                       bool vec) {
+  const TileSlot t = tile_slot(lanes_log2, bucket, num_buckets);
+  float v[G][8];
+  load_tile(in, t, vec, v);
+  OnebitAcc a[G][8];
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const bool p = v[s][j] >= 0.0f;  // NaN goes to the negative side and poisons avg-
+      a[s][j] = OnebitAcc{p ? v[s][j] : 0.0f, p ? 0.0f : v[s][j], (p && i0 + j < in.n) ? 1u : 0u};
+    }
+  }
+  const OnebitAcc sum = tile_tree_sum(a, t.lanes);
+  if (!t.live) return;  // after the last shuffle
+  const int64_t left = in.n - t.start;
+  const uint32_t valid = static_cast<uint32_t>(left < bucket ? left : bucket);
+  const float hi = onebit_mean(sum.pos, sum.npos), lo = onebit_mean(sum.neg, valid - sum.npos);
+  if (t.lane == 0) {
+    means[2 * t.bucket] = hi;
+    means[2 * t.bucket + 1] = lo;
+  }
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+    uint8_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = v[s][j] >= 0.0f ? 1 : 0;
+    store_packed8(bits + i0 / 8, 1, vec, c);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = c[j] ? hi : lo;
+      store_residual8(new_residual, i0, in.n, vec, v[s], hat);
+    }
+  }
+}
+
+// The encode (residual nullptr) or the encode under error feedback: the tile
+// kernel where the bucket fits one, else the two-phase kernel. The bits are
+// written one byte per thread, so only the input (and the residuals) need
+// the alignment check.
+template <bool Feedback>
+void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, uint8_t* bits,
+                   float* means, float* new_residual, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
+  bool vec = aligned16(x);
+  if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    const Input<T, false> in{static_cast<const T*>(x), nullptr, n};
-    onebit_encode_kernel<T, false><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, bits, means, nullptr,
-                                                                                  aligned16(x));
+    const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    const unsigned blocks = tile_blocks(nb, bucket);
+    switch (tile_groups(bucket)) {
+      case 1:
+        onebit_encode_tile<T, Feedback, 1>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, bits, means, new_residual, vec);
+        return;
+      case 2:
+        onebit_encode_tile<T, Feedback, 2>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, bits, means, new_residual, vec);
+        return;
+      case 4:
+        onebit_encode_tile<T, Feedback, 4>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, bits, means, new_residual, vec);
+        return;
+      default: {
+        const Geometry g = geometry(bucket);
+        onebit_encode_kernel<T, Feedback>
+            <<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, bits, means, new_residual, vec);
+      }
+    }
   });
+}
+
+void encode(cudaStream_t stream, DType dt, const void* x, int64_t n, uint8_t* bits, float* means, int64_t bucket) {
+  launch_encode<false>(stream, dt, x, nullptr, n, bits, means, nullptr, bucket);
 }
 
 void encode_feedback(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n,
                      uint8_t* bits, float* means, float* new_residual, int64_t bucket) {
-  const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
-  with_type(dt, [&](auto tag) {
-    using T = decltype(tag);
-    const Input<T, true> in{static_cast<const T*>(x), residual, n};
-    const bool vec = aligned16(x) && aligned16(residual) && aligned16(new_residual);
-    onebit_encode_kernel<T, true><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, bits, means,
-                                                                                 new_residual, vec);
-  });
+  launch_encode<true>(stream, dt, x, residual, n, bits, means, new_residual, bucket);
 }
 
 template <typename T>

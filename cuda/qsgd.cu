@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_runtime.cuh"
 #include "jaxcomp/qsgd.h"
@@ -67,6 +68,53 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int j = 0; j < 8; ++j) hat[j] = qsgd_value(codes[j], step, bits);
       store_residual8(new_residual, t.start + 8 * gi, in.n, vec, v, hat);
+    }
+  }
+}
+
+// The tile encode (kernels.cuh) of buckets of at most 8 * 32 * kMaxTileGroups
+// values: the codes, scales and residual of qsgd_encode_kernel, the input
+// read once; the L2 norm is the same halving tree over the registers.
+template <typename T, bool L2, bool Feedback, int G>
+__global__ void __launch_bounds__(kThreads)
+    qsgd_encode_tile(Input<T, Feedback> in, int64_t num_buckets, int64_t bucket, int lanes_log2, int bits,
+                     const uint32_t* __restrict__ seed, uint8_t* __restrict__ packed, float* __restrict__ scales,
+                     float* __restrict__ new_residual, bool vec) {
+  const TileSlot t = tile_slot(lanes_log2, bucket, num_buckets);
+  const uint32_t k0 = seed[0], k1 = seed[1];  // the seed stays on the device
+  float v[G][8];
+  load_tile(in, t, vec, v);
+  float scale;
+  if constexpr (L2) {
+    float sq[G][8];
+#pragma unroll
+    for (int s = 0; s < G; ++s)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sq[s][j] = exact_square(v[s][j]);
+    scale = sqrtf(tile_tree_sum(sq, t.lanes));
+  } else {
+    scale = tile_max_abs(v, t.lanes);
+  }
+  if (!t.live) return;  // after the last shuffle
+  if (t.lane == 0) scales[t.bucket] = scale;
+  const int s_levels = (1 << (bits - 1)) - 1;
+  const float inv = qsgd_inv(scale, s_levels);
+  const float step = qsgd_step(scale, s_levels);
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+    // The element index wraps modulo 2^32 exactly like the CPU's uint32 base.
+    const uint32_t base = static_cast<uint32_t>(i0);
+    uint8_t codes[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      codes[j] = static_cast<uint8_t>(qsgd_code(v[s][j], inv, s_levels, bits, rng_uniform(k0, k1, base + j)));
+    store_packed8(packed + (i0 / 8) * bits, bits, vec, codes);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = qsgd_value(codes[j], step, bits);
+      store_residual8(new_residual, i0, in.n, vec, v[s], hat);
     }
   }
 }
@@ -135,10 +183,24 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
   if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
-    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, static_cast<int>(bits), seed, packed, scales,
-                                                          new_residual, vec);
+    const int b = static_cast<int>(bits);
+    const int groups = tile_groups(bucket);
+    if (groups == 0) {
+      auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
+      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, b, seed, packed, scales, new_residual, vec);
+      return;
+    }
+    auto pick = [&](auto l2_tag) {
+      constexpr bool kL2 = decltype(l2_tag)::value;
+      return groups == 1 ? qsgd_encode_tile<T, kL2, Feedback, 1>
+             : groups == 2 ? qsgd_encode_tile<T, kL2, Feedback, 2>
+                           : qsgd_encode_tile<T, kL2, Feedback, 4>;
+    };
+    auto kernel = l2 != 0 ? pick(std::true_type{}) : pick(std::false_type{});
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, b, seed, packed, scales,
+                                                             new_residual, vec);
   });
 }
 

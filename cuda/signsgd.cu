@@ -52,21 +52,77 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The encode (residual nullptr) or the encode under error feedback. The
-// signs are written one byte per thread, so only the input (and under error
-// feedback the residuals) needs the alignment check.
+// The tile encode (kernels.cuh) of buckets of at most 8 * 32 * kMaxTileGroups
+// values: the signs, scales and residual of signsgd_encode_kernel, the
+// input read once and the sum of |v| the same halving tree over the registers.
+template <typename T, bool Feedback, int G>
+__global__ void __launch_bounds__(kThreads)
+    signsgd_encode_tile(Input<T, Feedback> in, int64_t num_buckets, int64_t bucket, int lanes_log2,
+                        uint8_t* __restrict__ signs, float* __restrict__ scales, float* __restrict__ new_residual,
+                        bool vec) {
+  const TileSlot t = tile_slot(lanes_log2, bucket, num_buckets);
+  float v[G][8];
+  load_tile(in, t, vec, v);
+  float a[G][8];
+#pragma unroll
+  for (int s = 0; s < G; ++s)
+#pragma unroll
+    for (int j = 0; j < 8; ++j) a[s][j] = fabsf(v[s][j]);
+  const float sum = tile_tree_sum(a, t.lanes);
+  if (!t.live) return;  // after the last shuffle
+  const int64_t left = in.n - t.start;
+  const float scale = signsgd_scale(sum, left < bucket ? left : bucket);
+  if (t.lane == 0) scales[t.bucket] = scale;
+#pragma unroll
+  for (int s = 0; s < G; ++s) {
+    const int64_t i0 = tile_group_start(t, s);
+    uint8_t c[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j] = v[s][j] < 0.0f ? 1 : 0;
+    store_packed8(signs + i0 / 8, 1, vec, c);
+    if constexpr (Feedback) {
+      float hat[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) hat[j] = signsgd_value(c[j] != 0, scale);
+      store_residual8(new_residual, i0, in.n, vec, v[s], hat);
+    }
+  }
+}
+
+// The encode (residual nullptr) or the encode under error feedback: the tile
+// kernel where the bucket fits one, else the two-phase kernel. The signs are
+// written one byte per thread, so only the input (and under error feedback
+// the residuals) needs the alignment check.
 template <bool Feedback>
 void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* residual, int64_t n, uint8_t* signs,
                    float* scales, float* new_residual, int64_t bucket) {
   const int64_t nb = num_buckets(n, bucket);
-  const Geometry g = geometry(bucket);
   bool vec = aligned16(x);
   if constexpr (Feedback) vec = vec && aligned16(residual) && aligned16(new_residual);
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
-    signsgd_encode_kernel<T, Feedback><<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales,
-                                                                                       new_residual, vec);
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    const unsigned blocks = tile_blocks(nb, bucket);
+    switch (tile_groups(bucket)) {
+      case 1:
+        signsgd_encode_tile<T, Feedback, 1>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
+        return;
+      case 2:
+        signsgd_encode_tile<T, Feedback, 2>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
+        return;
+      case 4:
+        signsgd_encode_tile<T, Feedback, 4>
+            <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
+        return;
+      default: {
+        const Geometry g = geometry(bucket);
+        signsgd_encode_kernel<T, Feedback>
+            <<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales, new_residual, vec);
+      }
+    }
   });
 }
 
