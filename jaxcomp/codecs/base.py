@@ -377,9 +377,18 @@ class Codec:
     #: ``jaxcomp_<name>_encode_feedback`` (see :meth:`encode_feedback`).
     feedback_kernel: ClassVar[bool] = False
     #: Whether the CUDA kernels have it too. ``backend="ffi"`` then runs it
-    #: on GPUs; "auto" keeps the three calls there until a GPU has timed
-    #: the kernel against them (``benchmarks/feedback.py --platform gpu``).
+    #: on GPUs; "auto" runs it where :attr:`cuda_auto` says.
     cuda_feedback_kernel: ClassVar[bool] = False
+    #: The CUDA kernels that ``backend="auto"`` runs on GPUs, by operation
+    #: ("encode", "decode", "encode_feedback"): each one measured faster
+    #: there than the twin that XLA compiles and fuses into its neighbours
+    #: (docs/gpu.md, "Kernel or twin on the GPU", with the figures). Every
+    #: other operation runs its twin on GPUs under "auto"; ``backend="ffi"``
+    #: runs any CUDA kernel the codec has. Error feedback's compression
+    #: (``compress_gradients``, the collectives' server residuals) runs the
+    #: one-pass kernel where "encode_feedback" is listed, else the sum, the
+    #: encode ("encode" listed: the CUDA kernel) and the fused decode.
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "decode"})
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -437,6 +446,7 @@ class Codec:
             self.twin_encode,
             (flat, self.seed(key)) if self.seeded else (flat,),
             self.arrays(flat.size, flat.dtype).values(),
+            cuda=self._cuda_rule("encode", backend),
             **self.kernel_attrs(decode=False),
         )
 
@@ -453,8 +463,15 @@ class Codec:
             twin,
             tuple(payload.arrays.values()),
             (self.output(payload),),
+            cuda=self._cuda_rule("decode", backend),
             **self.kernel_attrs(decode=True),
         )[0]
+
+    def _cuda_rule(self, op: str, backend: str) -> bool | None:
+        """Whether ``backend`` runs ``op``'s CUDA kernel on GPUs by the
+        codec's rule (:attr:`cuda_auto`): for "auto"; None (dispatch's own
+        default) for the others ("fused" decodes with the twin there)."""
+        return (op in self.cuda_auto) if resolve_backend(backend) is Backend.AUTO else None
 
     @classmethod
     def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
@@ -780,15 +797,17 @@ class Codec:
         GPUs, ``backend="xla"``) it is the three calls, which XLA fuses
         where it can. Int8, QSGD, OneBit, SignSGD, Natural, FP8, MX and
         TernGrad have the one-pass kernel on CUDA as well
-        (:attr:`cuda_feedback_kernel`), which ``backend="ffi"`` runs.
+        (:attr:`cuda_feedback_kernel`), which ``backend="ffi"`` runs, and
+        "auto" where :attr:`cuda_auto` lists "encode_feedback".
 
         Args:
           x: the gradient (float32, bfloat16 or float16, any shape).
           residual: float32, ``x``'s shape: what earlier steps left out.
           key: a JAX PRNG key; required by stochastic codecs.
-          backend: "auto" (the fused kernel on the CPU where built, else
-            the three calls), "ffi" (the fused kernel required on the CPU,
-            and on CUDA where the codec has one) or "xla" (the twins).
+          backend: "auto" (the fused kernel on the CPU where built, on
+            GPUs where :attr:`cuda_auto` says, else the three calls' twins),
+            "ffi" (the fused kernel required on the CPU, and on CUDA where
+            the codec has one) or "xla" (the twins).
         Returns:
           ``(payload, new_residual)``: a float32 payload of ``x``'s shape,
           and the float32 new residual.
@@ -837,6 +856,7 @@ class Codec:
             twin,
             (flat, res, self.seed(key)) if self.seeded else (flat, res),
             (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
+            cuda=self.cuda_feedback_kernel and "encode_feedback" in self.cuda_auto,
             **self.kernel_attrs(decode=False),
         )
         payload = self.payload(tuple(outs[:-1]), shape, jnp.float32)
@@ -869,6 +889,7 @@ class Codec:
         args: Sequence[jax.Array],
         results: Sequence[jax.ShapeDtypeStruct],
         scratch: Sequence[jax.ShapeDtypeStruct] = (),
+        cuda: bool | None = None,
         **attrs: int,
     ) -> tuple[jax.Array, ...]:
         """Runs an FFI kernel or its pure-JAX twin, as ``backend`` says
@@ -882,6 +903,8 @@ class Codec:
           results: the results' shapes and dtypes (from the layout).
           scratch: work buffers the kernel takes as extra results after
             ``results``; dropped from what it returns (the twin has none).
+          cuda: whether "auto" and "fused" run the CUDA kernel on GPUs
+            (:attr:`cuda_auto`); None: "auto" does, "fused" does not.
           **attrs: the kernel's integer attributes.
         Returns:
           The results.
@@ -891,7 +914,7 @@ class Codec:
         def run_kernel(*a):
             return ffi_call(target, results + tuple(scratch), *a, **attrs)[: len(results)]
 
-        return dispatch(backend, run_kernel, lambda *a: tuple(twin(*a)), *args)
+        return dispatch(backend, run_kernel, lambda *a: tuple(twin(*a)), *args, cuda=cuda)
 
     @staticmethod
     def output(payload: Payload) -> jax.ShapeDtypeStruct:

@@ -55,6 +55,13 @@ class Cast(Codec):
     def examples(cls, *, coverage=False):
         return (cls("bfloat16"), cls("float16"))
 
+    @property
+    def cuda_auto(self) -> frozenset[str]:  # type: ignore[override]
+        """The CUDA kernels "auto" runs (docs/gpu.md): the bfloat16 encode,
+        faster than the twin in the train step; float16's twin encodes
+        faster, and both decode faster as the twin."""
+        return frozenset({"encode"}) if self.dtype == "bfloat16" else frozenset()
+
     def split_granularity(self):
         return 1  # independent values
 
@@ -62,10 +69,11 @@ class Cast(Codec):
         return {"values": array(n, self.dtype)}
 
     def _encode(self, flat, key, backend):
-        return (cast(flat, self.dtype, backend=backend),)
+        return (cast(flat, self.dtype, backend=backend, cuda=self._cuda_rule("encode", backend)),)
 
     def _decode(self, payload, backend):
-        return cast(payload["values"], payload.dtype, backend=backend)
+        cuda = self._cuda_rule("decode", backend)
+        return cast(payload["values"], payload.dtype, backend=backend, cuda=cuda)
 
     # The twins of encode_feedback's kernel (jaxcomp_cast_encode_feedback):
     # the conversion each way.
@@ -86,10 +94,10 @@ class Cast(Codec):
         return cls(_TARGETS[target])
 
 
-def cast(x: jax.Array, dtype, *, backend: str = "auto") -> jax.Array:
+def cast(x: jax.Array, dtype, *, backend: str = "auto", cuda: bool | None = None) -> jax.Array:
     """``x`` converted to ``dtype`` (float32, bfloat16 or float16), same shape,
     rounding to nearest even: the FFI target ``jaxcomp_cast``, whose twin is
-    ``astype``."""
+    ``astype``; ``cuda`` as :meth:`Codec.kernel` takes it (the codec's rule)."""
     dtype = jnp.dtype(dtype)
     if x.dtype == dtype:
         return x
@@ -100,6 +108,7 @@ def cast(x: jax.Array, dtype, *, backend: str = "auto") -> jax.Array:
         lambda f: (_astype(f, dtype),),
         (flat,),
         (jax.ShapeDtypeStruct(flat.shape, dtype),),
+        cuda=cuda,
     )[0]
     return out.reshape(x.shape)
 

@@ -60,6 +60,8 @@ class FP8(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
 
     def __post_init__(self):
         mf.format_named("FP8", "format", self.format, _FORMATS)

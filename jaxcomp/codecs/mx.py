@@ -80,6 +80,8 @@ class MX(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode_feedback"})
 
     def __post_init__(self):
         mf.format_named("MX", "element", self.element, _ELEMENTS)

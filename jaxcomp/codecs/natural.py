@@ -58,6 +58,8 @@ class Natural(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode_feedback"})
 
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):

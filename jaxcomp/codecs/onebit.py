@@ -46,6 +46,8 @@ class OneBit(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)

@@ -61,6 +61,8 @@ class QSGD(BucketedCodec):
     cuda_decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

@@ -50,6 +50,8 @@ class TernGrad(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
+    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
+    cuda_auto: ClassVar[frozenset[str]] = frozenset()
 
     def arrays(self, n, dtype):
         return {

@@ -6,11 +6,12 @@ the charge of an owner's error under one-level error feedback.
 Where a codec has a one-pass kernel (``Codec.feedback_kernel``) those
 compressions run it on the CPU: the payload and the new residual come out
 of one pass over the input and the residual, with no sum and no decoded
-tensor written out. Elsewhere (GPUs, codecs without one, inputs that are
-not float32) they are the separate calls they were: the sum, the encode
-("auto": the CUDA kernel where it is faster than XLA's fusion of the twin,
-docs/gpu.md) and the fused decode (:func:`decode_own`), which XLA fuses
-into the subtraction.
+tensor written out; on GPUs where the codec's measured rule says so
+(``Codec.cuda_auto`` lists "encode_feedback"). Elsewhere (other GPUs'
+codecs, codecs without one, inputs that are not float32) they are the
+separate calls: the sum, the encode ("auto": the CUDA kernel where
+``cuda_auto`` lists "encode", else the twin) and the fused decode
+(:func:`decode_own`), which XLA fuses into the subtraction.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ def compress_kept(
 
     ``x`` is flat, in ``dtype`` or float32; ``kept`` a float32 residual of
     its length; the float32 sum is compressed in ``dtype`` (the tensor's).
-    With :func:`one_pass`, ``Codec.encode_feedback`` on the CPU and the
-    separate calls on other platforms (one primitive lowered per platform,
-    ``jaxcomp.ops._dispatch.platform_dependent``); the
-    bits are the same either way on the CPU (tests/test_feedback.py), and
-    the calls are what ran before on the others.
+    With :func:`one_pass`, ``Codec.encode_feedback`` on the CPU, on GPUs
+    where ``Codec.cuda_auto`` lists "encode_feedback", and the separate
+    calls elsewhere (one primitive lowered per platform,
+    ``jaxcomp.ops._dispatch.platform_dependent``). The one-pass kernels
+    give the separate kernels' bits (tests/test_feedback.py,
+    tests/test_gpu.py); the separate calls' fused decode may differ in a
+    residual's last bit where XLA contracts it into the subtraction
+    (:func:`jaxcomp.collectives._decode.fused_backend`).
     """
 
     def calls(x, kept, *key):
@@ -61,7 +65,10 @@ def compress_kept(
 
     # The key is an operand: each branch is traced where it is lowered.
     keys = () if key is None else (key,)
-    return platform_dependent(x, kept, *keys, cpu=fused, default=calls)
+    on_cuda = (
+        fused if codec.cuda_feedback_kernel and "encode_feedback" in codec.cuda_auto else calls
+    )
+    return platform_dependent(x, kept, *keys, cpu=fused, cuda=on_cuda, default=calls)
 
 
 def owner_stage(

@@ -67,19 +67,22 @@ def dispatch(
     kernel: Callable[..., tuple[jax.Array, ...]],
     twin: Callable[..., tuple[jax.Array, ...]],
     *args: jax.Array,
+    cuda: bool | None = None,
 ) -> tuple[jax.Array, ...]:
     """Runs ``kernel(*args)`` or ``twin(*args)`` according to ``backend``.
 
     "fused" on the CPU is the kernel: XLA:CPU's fused loops of the twins
     run slower than the kernels by more than the pass they save
     (docs/benchmarks.md, "The optimizer step" and "Compressed all-reduce
-    over emulated links")."""
+    over emulated links"). ``cuda`` says whether "auto" and "fused" run
+    the kernel on CUDA GPUs (the codec's measured rule, ``Codec.cuda_auto``);
+    None: "auto" does and "fused" does not. "ffi" always runs it."""
     backend = resolve_backend(backend)  # as it is where the caller resolved it
     if backend is Backend.XLA:
         return tuple(twin(*args))
-    cpu, cuda = cpu_available(), cuda_available()
+    cpu = cpu_available()
     required = backend in (Backend.FFI, Backend.FUSED_FFI)
-    if required and not (cpu or cuda):
+    if required and not (cpu or cuda_available()):
         raise RuntimeError(
             f"backend='ffi' but no jaxcomp kernels are loaded: {kernels_line()}. "
             "backend='xla' or 'auto' runs the pure-JAX twins instead"
@@ -91,7 +94,8 @@ def dispatch(
         return tuple(twin(*args))
     fused = backend in (Backend.FUSED, Backend.FUSED_FFI)
     on_cpu = kernel if cpu or required else twin
-    on_cuda = kernel if cuda and not fused else twin
+    use_cuda = (not fused) if cuda is None else cuda
+    on_cuda = kernel if cuda_available() and use_cuda else twin
     if on_cpu is twin and on_cuda is twin:
         return tuple(twin(*args))
     # The kernel's result types are the cheap trace (a custom call and its

@@ -1,0 +1,100 @@
+"""The rule that picks a CUDA kernel or the twin on GPUs (``Codec.cuda_auto``),
+read from programs lowered for CUDA on any machine.
+
+With the CUDA kernels taken as built (``cuda_available`` patched: lowering
+needs no GPU), a program exported for CUDA holds a codec's kernel for an
+operation exactly where the codec's ``cuda_auto`` lists it, the twin
+elsewhere; ``backend="ffi"`` holds the kernel regardless, and error
+feedback's compression (``compress_kept``, what ``compress_gradients``
+runs) holds the one-pass kernel where "encode_feedback" is listed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxcomp as jc
+from jaxcomp.collectives import _feedback
+from jaxcomp.ops import _dispatch
+
+KEY = jax.random.key(0)
+CODECS = [
+    jc.codecs.QSGD(bits=4),
+    jc.codecs.QSGD(bits=4, norm="l2"),
+    jc.codecs.Int8(),
+    jc.codecs.OneBit(),
+    jc.codecs.SignSGD(),
+    jc.codecs.FP8(),
+    jc.codecs.MX(element="e2m1"),
+    jc.codecs.Natural(),
+    jc.codecs.TernGrad(),
+    jc.codecs.Cast("bfloat16"),
+    jc.codecs.Cast("float16"),
+]
+
+
+@pytest.fixture
+def cuda_built(monkeypatch):
+    monkeypatch.setattr(_dispatch, "cuda_available", lambda: True)
+
+
+def _cuda_text(f, *args) -> str:
+    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _targets(text: str) -> set[str]:
+    import re
+
+    return set(re.findall(r"@?\"?(jaxcomp_[a-z0-9_]+)\"?", text)) - {"jaxcomp_platform_call"}
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=str)
+def test_auto_lowers_the_kernels_the_rule_lists(codec, cuda_built):
+    x = jnp.linspace(-1.0, 1.0, 4096, dtype=jnp.float32)
+    r = x * 0.25
+
+    payload = codec.encode(x, KEY, backend="xla")
+
+    def encode(backend):
+        return _targets(
+            _cuda_text(lambda x, key: codec.encode(x, key, backend=backend).arrays, x, KEY)
+        )
+
+    def decode(backend):
+        return _targets(_cuda_text(lambda p: codec.decode(p, backend=backend), payload))
+
+    for op, targets in (("encode", encode), ("decode", decode)):
+        kernel = targets("ffi")
+        assert kernel, f"{codec} has no CUDA {op} target"
+        assert targets("auto") == (kernel if op in codec.cuda_auto else set()), op
+        # The collectives' fused decode is the twin on GPUs, whatever the rule.
+        if op == "decode":
+            assert targets("fused") == set()
+
+    if not _feedback.one_pass(codec, jnp.float32):
+        return
+
+    def kept(x, r, key):
+        p, new = _feedback.compress_kept(
+            codec, x, r, key if codec.stochastic else None, jnp.float32
+        )
+        return (*p.arrays.values(), new)
+
+    got = _targets(_cuda_text(kept, x, r, KEY))
+    one_pass = codec.cuda_feedback_kernel and "encode_feedback" in codec.cuda_auto
+    if one_pass:
+        assert got == {f"jaxcomp_{codec.name}_encode_feedback"}
+    else:
+        assert got == (encode("ffi") if "encode" in codec.cuda_auto else set())
+
+
+def test_the_rule_names_real_kernels():
+    """``cuda_auto`` lists only operations a codec has a CUDA kernel for."""
+    for cls in jc.codecs.registered():
+        for codec in cls.examples():
+            ops = codec.cuda_auto
+            assert ops <= {"encode", "decode", "encode_feedback"}, codec
+            if "encode_feedback" in ops:
+                assert codec.cuda_feedback_kernel, codec
