@@ -37,6 +37,11 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--codecs", nargs="+", help="codec specs (default: every fused example)")
     ap.add_argument("--platform", choices=["cpu", "gpu"], default="cpu")
+    ap.add_argument(
+        "--skip-kernel-calls",
+        action="store_true",
+        help="leave out the separate kernels' path (add, encode, decode, subtract)",
+    )
     args = ap.parse_args()
     with jax.default_device(jax.devices(args.platform)[0]):
         return run(args)
@@ -45,30 +50,34 @@ def main() -> int:
 def run(args) -> int:
     gpu = args.platform == "gpu"
     n = 1 << args.log2_n
-    x = _bench.make_input(n, seed=1)
-    r0 = _bench.make_input(n, seed=2) * 0.1
+    # On the device and carried through the loops as operands: a gradient
+    # captured by the traced functions would be compiled in as a constant
+    # (hundreds of megabytes of it on a GPU, a slow compile).
+    dev = jax.devices(args.platform)[0]
+    x = jax.device_put(_bench.make_input(n, seed=1), dev)
+    r0 = jax.device_put(_bench.make_input(n, seed=2) * 0.1, dev)
     key = jax.random.key(0)
 
     def seconds(step, carry):
-        single = _bench._median_seconds(
-            lambda: jax.jit(lambda c: step(0, c))(carry), args.reps, 0.2
-        )
+        once = jax.jit(lambda c: step(0, c))
+        single = _bench._median_seconds(lambda: once(carry), args.reps, 0.2)
         return _bench._loop_seconds(step, carry, single, args.reps, 0.2)
 
     def carrying(path):
-        """``path(i, r) -> (payload, r)`` as a loop step that carries the
+        """``path(i, x, r) -> (payload, r)`` as a loop step that carries the
         payload's arrays too, so that XLA cannot drop a payload nobody reads
-        (it would, from the twins' fusion, and not from a kernel's)."""
+        (it would, from the twins' fusion, and not from a kernel's), and
+        the gradient, unchanged."""
 
         def step(i, carry):
-            payload, r = path(i, carry[1])
-            return payload.arrays, r
+            payload, r = path(i, carry[2], carry[1])
+            return payload.arrays, r, carry[2]
 
-        shapes = jax.eval_shape(lambda r: step(0, ({}, r)), r0)[0]
+        shapes = jax.eval_shape(lambda r: step(0, ({}, r, x)), r0)[0]
         zeros = jax.tree.map(lambda s: jax.numpy.zeros(s.shape, s.dtype), shapes)
-        return step, (zeros, r0)
+        return step, (zeros, r0, x)
 
-    floor = seconds(lambda i, r: x + r * 0.5, r0)
+    floor = seconds(lambda i, c: (c[0] + c[1] * 0.5, c[1]), (r0, x))
     gbps = 4 * n / 1e9
     print(
         f"{n} float32 values on {jax.devices(args.platform)[0].device_kind}; {jc._ffi.kernels_line()}"
@@ -83,19 +92,31 @@ def run(args) -> int:
         codecs = [c for c in _bench.default_codecs() if getattr(c, fused_here)]
     for codec in codecs:
 
-        def fused(i, r, codec=codec, backend="ffi"):
+        def fused(i, x, r, codec=codec, backend="ffi"):
             return codec.encode_feedback(x, r, jax.random.fold_in(key, i), backend=backend)
 
-        def by_calls(i, r, codec=codec, backend="ffi"):
+        def by_calls(i, x, r, codec=codec, backend="ffi"):
             acc = x + r
             payload = codec.encode(acc, jax.random.fold_in(key, i), backend=backend)
             return payload, acc - codec.decode(payload, backend=backend)
 
+        def encode_kernel(i, x, r, codec=codec):
+            # compress_gradients' separate calls on a GPU: the encode
+            # kernel, the decode fused into the subtraction.
+            acc = x + r
+            payload = codec.encode(acc, jax.random.fold_in(key, i), backend="ffi")
+            return payload, acc - codec.decode(payload, backend="xla")
+
         paths = [
             ("fused kernel", fused),
             ("kernels: add, encode, decode, subtract", by_calls),
-            ("twins, fused by XLA", lambda i, r, f=fused: f(i, r, backend="xla")),
+            ("encode kernel, decode fused by XLA", encode_kernel),
+            ("twins, fused by XLA", lambda i, x, r, f=fused: f(i, x, r, backend="xla")),
         ]
+        if not gpu:
+            paths = [p for p in paths if p[0] != "encode kernel, decode fused by XLA"]
+        if args.skip_kernel_calls:
+            paths = [p for p in paths if p[0] != "kernels: add, encode, decode, subtract"]
         if gpu and not codec.cuda_feedback_kernel:
             paths = paths[1:]  # "ffi" would run the twins there
         for label, step in paths:

@@ -24,8 +24,13 @@
 #
 # About 7 minutes on one H200 with 16 cores (docs/gpu.md). CUDAARCHS picks the
 # GPU architectures to build for (default: the one of the GPU present); each
-# step has a time limit (seconds: TEST_S, FAST_S, BENCH_S, STEP_S), so that
-# one slow step cannot take the others' time.
+# step has a time limit (seconds: TEST_S, FAST_S, BENCH_S, FEEDBACK_S, STEP_S),
+# so that one slow step cannot take the others' time. STEP_PATHS: the paths
+# of the GPU kernels each codec's step runs (benchmarks/train_step.py
+# --paths; default "rule one-pass calls twins"); ABLATE: the codec of the
+# error-feedback ablation (default qsgd:bits=4; empty: none). ARCHIVE: a
+# tarball of $LOGS written after every step, so that a run cut short still
+# leaves the logs of the steps it finished.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,6 +50,7 @@ run_step() {  # name, then the command; its output to $LOGS/name.log
   rc=$?
   printf '%-6s rc %3d  %4d s\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$LOGS/steps.txt"
   [ $rc -eq 0 ] || failed+=("$name")
+  [ -z "${ARCHIVE:-}" ] || tar czf "$ARCHIVE" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
   return $rc
 }
 
@@ -92,18 +98,22 @@ for step in "${steps[@]}"; do
     tail -n 50 "$LOGS/codecs.log"
     # Error feedback's compression: the CUDA one-pass kernels against the
     # separate kernels and the twins fused by XLA (Int8, QSGD, OneBit, SignSGD, Natural, FP8, MX, TernGrad).
-    run_step feedback timeout 90 "$PY" benchmarks/feedback.py --platform gpu --log2-n 26 --reps 5
+    run_step feedback timeout "${FEEDBACK_S:-120}" "$PY" benchmarks/feedback.py --platform gpu --log2-n 26 \
+      --reps 5 --skip-kernel-calls
     cat "$LOGS/feedback.log"
     ;;
   step)
+    # shellcheck disable=SC2086 # the paths are words
     run_step train_step timeout "${STEP_S:-150}" "$PY" benchmarks/train_step.py --platform gpu \
-      --json "$LOGS/train_step.json"
+      --paths ${STEP_PATHS:-rule one-pass calls twins} --json "$LOGS/train_step.json"
     cat "$LOGS/train_step.log"
-    # QSGD-4 without, with one and with two levels of error feedback, and
+    # A codec without, with one and with two levels of error feedback, and
     # the kernels of each compiled step (docs/gpu.md).
-    run_step ablate timeout 60 "$PY" benchmarks/train_step.py --platform gpu \
-      --ablate qsgd:bits=4 --json "$LOGS/train_step-ablate.json" --hlo "$LOGS/step-qsgd4.hlo"
-    cat "$LOGS/ablate.log"
+    if [ -n "${ABLATE-qsgd:bits=4}" ]; then
+      run_step ablate timeout 60 "$PY" benchmarks/train_step.py --platform gpu \
+        --ablate "${ABLATE-qsgd:bits=4}" --json "$LOGS/train_step-ablate.json" --hlo "$LOGS/step-ablate.hlo"
+      cat "$LOGS/ablate.log"
+    fi
     ;;
   *)
     echo "unknown step: $step" >&2

@@ -13,6 +13,14 @@ the cheaper the codec's passes over the gradient and the residual).
     python benchmarks/train_step.py --platform cpu --width 512   # small, for a CPU
     python benchmarks/train_step.py --ablate qsgd:bits=4 --hlo step.hlo   # where its time goes
 
+``--paths rule one-pass calls twins`` runs every codec row once per path
+of its kernels on the GPU (``Codec.cuda_auto``, overridden here for the
+row): "rule" as the codec declares it; "one-pass" the one-pass
+error-feedback kernel (``encode_feedback``) with the CUDA encode and
+decode; "calls" the sum, the CUDA encode kernel and the decode fused by
+XLA; "twins" no CUDA kernel at all, every pass fused by XLA. The rows of
+one codec then say which path its rule should pick (docs/gpu.md).
+
 ``--ablate SPEC`` runs that codec three ways instead of the table: without
 error feedback, with the first level only (``server_error_feedback=False``)
 and with both, and prints the kernels of each compiled step (its custom
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import re
 import time
@@ -41,6 +50,7 @@ ROWS = [
     ("mxfp4", "mx:element=e2m1"),
     ("qsgd-4", "qsgd:bits=4"),
     ("onebit", "onebit"),
+    ("signsgd", "signsgd"),
     ("terngrad", "terngrad"),
     ("natural", "natural"),
     ("3lc s=1", "threelc:sparsity=1.0"),
@@ -70,6 +80,38 @@ def _tx(kind, axis, **kw):
     return optax.chain(jc.optax.compress_gradients(kind, axis, **kw), optax.sgd(0.01))
 
 
+# The CUDA kernels "auto" runs under each --paths value (Codec.cuda_auto);
+# None: the codec's own declaration.
+PATHS = {
+    "rule": None,
+    "one-pass": frozenset({"encode", "decode", "encode_feedback"}),
+    "calls": frozenset({"encode", "decode"}),
+    "twins": frozenset(),
+}
+
+
+@contextlib.contextmanager
+def _cuda_auto(spec, path):
+    """The codec class of ``spec`` with ``cuda_auto`` set for ``path``
+    (a benchmark's override: the library reads the class's declaration)."""
+    import jaxcomp as jc
+
+    ops = PATHS[path]
+    if ops is None or spec in (None, "powersgd", "adam", "onebit_adam"):
+        yield
+        return
+    cls = type(jc.codecs.get(spec))
+    saved = cls.__dict__.get("cuda_auto", None)
+    cls.cuda_auto = ops
+    try:
+        yield
+    finally:
+        if saved is None:
+            del cls.cuda_auto
+        else:
+            cls.cuda_auto = saved
+
+
 def _kernels(hlo: str) -> str:
     """The custom calls of compiled HLO by target, and its fusions."""
     calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
@@ -93,6 +135,13 @@ def main() -> int:
         help="one codec without, with one and with two levels of error feedback",
     )
     ap.add_argument("--hlo", help="with --ablate: write the full step's compiled HLO here")
+    ap.add_argument(
+        "--paths",
+        nargs="+",
+        choices=sorted(PATHS),
+        default=["rule"],
+        help="run every codec row once per path of its GPU kernels",
+    )
     args = ap.parse_args()
 
     import jax
@@ -123,6 +172,14 @@ def main() -> int:
         f"median of {args.steps} steps"
     )
     plan = [(name, kind, {}) for name, kind in ROWS]
+    if args.paths != ["rule"]:
+        # Each codec row once per path; the other rows once.
+        fixed = (None, "powersgd", "adam", "onebit_adam")
+        plan = [
+            (name if kind in fixed else f"{name} [{path}]", kind, {"path": path})
+            for name, kind in ROWS
+            for path in (["rule"] if kind in fixed else args.paths)
+        ]
     if args.ablate:
         plan = [
             ("plain pmean", None, {}),
@@ -133,14 +190,19 @@ def main() -> int:
     rows, base = [], {}
     for name, kind, kw in plan:
         # The baselines always run: every "+ ms" is against one of them.
-        if args.rows and name not in args.rows and not name.startswith("plain"):
+        base_name = name.split(" [")[0]
+        if args.rows and base_name not in args.rows and not name.startswith("plain"):
             continue
-        step = jc.data_parallel(loss_fn, _tx(kind, "data", **kw), mesh)
-        p, s = step.init(params)
-        t0 = time.perf_counter()
-        p, s, loss = step(p, s, batch)
-        loss.block_until_ready()
-        compile_s = time.perf_counter() - t0
+        kw = dict(kw)
+        path = kw.pop("path", "rule")
+        with _cuda_auto(kind, path):
+            # Traced and compiled inside: the path is read at trace time.
+            step = jc.data_parallel(loss_fn, _tx(kind, "data", **kw), mesh)
+            p, s = step.init(params)
+            t0 = time.perf_counter()
+            p, s, loss = step(p, s, batch)
+            loss.block_until_ready()
+            compile_s = time.perf_counter() - t0
         p, s, loss = step(p, s, batch)
         times = []
         for _ in range(args.steps):
@@ -170,6 +232,14 @@ def main() -> int:
             if args.hlo and name == "both levels":
                 with open(args.hlo, "w") as f:
                     f.write(hlo)
+        if args.paths != ["rule"] and kind is not None:
+            # The kernels the path put in the step: its lowered program's
+            # custom calls (lowering is cheap; no second compile).
+            with _cuda_auto(kind, path):
+                text = step._step.lower(p, s, batch, ()).as_text()
+            calls = collections.Counter(re.findall(r"custom_call @(jaxcomp_\w+)", text))
+            row["kernels"] = ", ".join(f"{t} x{c}" for t, c in sorted(calls.items())) or "none"
+            print(f"  {name}: {row['kernels']}", flush=True)
         rows.append(row)
         print(
             f"{name:14s} {med:7.2f} ms/step (min {best:7.2f})  + {extra:6.2f} ms  "
