@@ -5,7 +5,8 @@ the wire round trip.
 
 Parametrized by the codec registry (each codec's ``examples(coverage=True)``)
 only: sizes and dtypes vary inside a test where they change the code path
-(CONVENTIONS 15), so a new codec is tested by being registered. The golden
+(parameters multiply only where they change it; one oracle pins each
+property once), so a new codec is tested by being registered. The golden
 vectors (test_golden.py) pin the bytes themselves.
 """
 

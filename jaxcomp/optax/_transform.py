@@ -2,11 +2,12 @@
 transformation (error feedback, tensor fusion, a per-leaf codec policy,
 warm-up, telemetry) and its state.
 
-Its update is docs/DESIGN's data flow written as its steps: plan the fused
-buckets, read this device's residuals from the state, ``pack`` them with
-the gradients, ``reduce`` the buffers over the devices, ``unpack`` the
-means and what was not sent, ``feedback`` (the residuals kept unless the
-step was not finite), and the new state with the step's telemetry.
+Its update is the step of docs/training.md ("What one step does") written
+as its steps: plan the fused buckets, read this device's residuals from
+the state, ``pack`` them with the gradients, ``reduce`` the buffers over
+the devices, ``unpack`` the means and what was not sent, ``feedback`` (the
+residuals kept unless the step was not finite), and the new state with
+the step's telemetry.
 """
 
 from __future__ import annotations
