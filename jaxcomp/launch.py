@@ -190,13 +190,13 @@ class _Job:
             self.stderr.flush()
 
     def signal_all(self, sig: int) -> None:
-        """Sends ``sig`` to the process group of every process still running."""
+        """Sends ``sig`` to the process group of every process (what a
+        process started, such as a shell script's Python, goes with it)."""
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(p.pid, sig)
+            except (ProcessLookupError, PermissionError):  # the group has ended
+                pass
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         """Sends ``sig`` to every running process; SIGKILL after the grace period."""
