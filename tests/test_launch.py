@@ -3,6 +3,7 @@ over loopback, each line prefixed with its rank; a failing process or
 Ctrl-C stops them all, and the exit status is the first failure's."""
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import time
 import pytest
 
 from jaxcomp import launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The psum of every device's (process index + 1) over all devices:
 # 2 processes x 2 devices give 1 + 1 + 2 + 2 = 6.
@@ -159,3 +162,24 @@ def test_ctrl_c_reaches_every_process(tmp_path):
     out = "".join(seen) + out
     assert p.returncode == 128 + signal.SIGINT, out + err
     assert "[0] interrupted" in out and "[1] interrupted" in out, out + err
+
+
+@pytest.mark.multiprocess
+def test_the_teacher_example_trains_on_two_processes():
+    """The command of docs/training-loop.md, on the tiny config: both
+    processes end with the same (replicated) model and metrics."""
+    pytest.importorskip("flax")
+    example = ["python", "-m", "examples.teacher.main", "--config"]
+    example += ["examples/teacher/configs/tiny.py", "--codec", "qsgd:bits=4", "--quiet"]
+    r = subprocess.run(
+        _launcher("-n", 2, "--", *example),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    finals = {ln[:4]: ln[4:] for ln in r.stdout.splitlines() if ln[4:].startswith("final:")}
+    assert set(finals) == {"[0] ", "[1] "}, r.stdout
+    assert finals["[0] "] == finals["[1] "]
