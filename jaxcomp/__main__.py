@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxcomp {demo,bench,info,plan} ...``."""
+"""Command line: ``python -m jaxcomp {demo,bench,info,plan,launch} ...``."""
 
 from __future__ import annotations
 
@@ -260,12 +260,65 @@ def _add_plan_parser(sub) -> None:
     p.set_defaults(fn=_plan)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    from jaxcomp import launch
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        return launch.run(
+            command,
+            args.n,
+            devices_per_process=args.devices_per_process,
+            grace_seconds=args.grace,
+        )
+    except ValueError as e:  # no command, a count below 1
+        why = str(e).removeprefix("jaxcomp launch: ")
+        print(f"python -m jaxcomp launch: error: {why}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a command that cannot start
+        print(f"python -m jaxcomp launch: cannot start {command[0]!r}: {e}", file=sys.stderr)
+        return 127
+
+
+def _add_launch_parser(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a script as N local processes joined by jax.distributed (docs/training-loop.md)",
+        description="Starts N processes of COMMAND on this machine, joined by jax.distributed "
+        "over loopback: each calls jaxcomp.launch.initialize() before its first JAX "
+        "computation. Every output line is prefixed with its process's rank; when one "
+        "process fails, or on Ctrl-C, all are stopped, and the exit status is the first "
+        "failure's. A COMMAND starting with a .py file or `python` runs with this Python.",
+        usage="python -m jaxcomp launch [-h] -n N [--devices-per-process K] [--grace S] "
+        "-- COMMAND ...",
+    )
+    p.add_argument("-n", type=int, required=True, help="number of processes")
+    p.add_argument(
+        "--devices-per-process",
+        type=int,
+        default=1,
+        metavar="K",
+        help="simulated CPU devices of each process, or GPUs given to each (default 1)",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds the processes get to exit after SIGTERM before SIGKILL (default 5)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="script.py ARGS, or python -m ...")
+    p.set_defaults(fn=_launch)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m jaxcomp",
         description="jaxcomp: compressed gradient communication for data-parallel JAX.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench,info,plan}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{demo,bench,info,plan,launch}"
+    )
 
     p = sub.add_parser("demo", help="compress a gradient-like tensor with every codec")
     p.add_argument("--size", type=int, default=1 << 20, help="elements (default 2^20)")
@@ -291,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_info)
 
     _add_plan_parser(sub)
+    _add_launch_parser(sub)
 
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -1,7 +1,8 @@
 """Every code block of docs/training-loop.md runs as written: the builder
 under jax.jit, the hand-written shard_map step, pmap and Flax NNX on 8
 devices (each trains: its loss falls), and the multi-process block on 2
-processes x 2 devices over loopback (multiprocess tier)."""
+processes x 2 devices, started by `python -m jaxcomp launch` (multiprocess
+tier)."""
 
 import os
 import pathlib
@@ -10,7 +11,7 @@ import sys
 
 import jax
 import pytest
-from helpers import free_port, run_processes, worker_xla_flags
+from helpers import run_processes, worker_xla_flags
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "training-loop.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
@@ -47,24 +48,15 @@ def test_single_process_examples_run_and_train(marker, final_loss, capsys):
 
 
 @pytest.mark.multiprocess
-def test_multiprocess_example_runs(tmp_path):
-    script = tmp_path / "example.py"
-    script.write_text(_block("jax.distributed.initialize("))
-    port = free_port()
-    envs = [
-        {
-            **os.environ,
-            "XLA_FLAGS": worker_xla_flags(2),
-            "JAX_PLATFORMS": "cpu",
-            "COORDINATOR": f"127.0.0.1:{port}",
-            "NUM_PROCESSES": "2",
-            "PROCESS_ID": str(i),
-        }
-        for i in range(2)
-    ]
-    outs = run_processes([[sys.executable, script]] * 2, envs, timeout=240)
-    for i, out in enumerate(outs):
-        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"process {i}: loss")]
-        assert float(line.split()[-1]) < 0.1, out
-    # Both processes print the same (replicated) loss.
-    assert outs[0].splitlines()[-1].split()[-1] == outs[1].splitlines()[-1].split()[-1]
+def test_multiprocess_example_runs_under_the_launcher(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_block("jc.launch.initialize()"))
+    launcher = [sys.executable, "-m", "jaxcomp", "launch", "-n", "2", "--devices-per-process", "2"]
+    env = {**os.environ, "XLA_FLAGS": worker_xla_flags(), "JAX_PLATFORMS": "cpu"}
+    (out,) = run_processes([[*launcher, "--", "python", script]], [env], timeout=240)
+    losses = []
+    for i in range(2):
+        (line,) = [ln for ln in out.splitlines() if ln.startswith(f"[{i}] process {i}: loss")]
+        losses.append(line.split()[-1])
+        assert float(losses[-1]) < 0.1, out
+    assert losses[0] == losses[1]  # the replicated loss, the same on both processes

@@ -19,6 +19,7 @@ common.simulate_devices(8)  # before jax is imported (by train below)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 
+import jaxcomp as jc  # noqa: E402
 from examples.teacher import train  # noqa: E402
 
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     config = common.config_from_flags(args, default="examples/teacher/configs/default.py")
     if args.server_error_feedback is not None:
         config = dataclasses.replace(config, server_error_feedback=args.server_error_feedback)
+    jc.launch.initialize()  # under `python -m jaxcomp launch`: join the other processes
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(
         f"final: test accuracy {result['test_accuracy']:.4f}  held-out loss "

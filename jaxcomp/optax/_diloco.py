@@ -31,9 +31,15 @@ from jax import lax
 from jaxcomp import collectives
 from jaxcomp.codecs import Codec
 from jaxcomp.codecs import get as get_codec
-from jaxcomp.optax._config import bound_axis_sizes, check_static_int
+from jaxcomp.optax._config import axis_sizes_or_none, bound_axis_sizes, check_static_int
 from jaxcomp.optax._state import all_reduce_state, check_type
-from jaxcomp.optax._telemetry import Telemetry, exact_stats, static_telemetry, zero_telemetry
+from jaxcomp.optax._telemetry import (
+    Telemetry,
+    exact_stats,
+    first_telemetry,
+    static_telemetry,
+    zero_telemetry,
+)
 
 _WHO = "jc.optax.diloco"
 
@@ -308,7 +314,10 @@ def _init(config: _Config, params) -> DiLoCoState:
         inner=jax.tree.map(lambda x: jnp.asarray(x)[None], config.inner.init(params)),
         residual=jnp.zeros((1, n), jnp.float32),
         key=jax.random.key_data(jax.random.key(config.seed)),
-        telemetry=zero_telemetry(),
+        telemetry=first_telemetry(
+            axis_sizes_or_none(config.axis_name),
+            lambda s: _telemetry(config, sizes, s[0], zero_telemetry()),
+        ),
     )
 
 

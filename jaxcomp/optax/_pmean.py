@@ -15,9 +15,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from jaxcomp.optax._config import bound_axis_sizes
+from jaxcomp.optax._config import axis_sizes_or_none, bound_axis_sizes
 from jaxcomp.optax._state import all_reduce_state, check_type
-from jaxcomp.optax._telemetry import Telemetry, exact_stats, static_telemetry, zero_telemetry
+from jaxcomp.optax._telemetry import (
+    Telemetry,
+    exact_stats,
+    first_telemetry,
+    static_telemetry,
+    zero_telemetry,
+)
 
 _WHO = "jc.optax.pmean"
 
@@ -76,8 +82,10 @@ def pmean(axis_name="data") -> optax.GradientTransformation:
     axes = _axis_names(axis_name)
 
     def init_fn(params) -> PmeanState:
-        del params
-        return PmeanState(step=jnp.zeros((), jnp.int32), telemetry=zero_telemetry())
+        tel = first_telemetry(
+            axis_sizes_or_none(axes), lambda s: _telemetry(params, s, zero_telemetry())
+        )
+        return PmeanState(step=jnp.zeros((), jnp.int32), telemetry=tel)
 
     def update_fn(grads, state: PmeanState, params=None):
         del params

@@ -30,11 +30,11 @@ from jax import lax
 
 from jaxcomp._axes import names_of
 from jaxcomp.collectives import after, uncompressed_send_nbytes
-from jaxcomp.optax._config import CommConfig, bound_axis_sizes
+from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
 from jaxcomp.optax._plan import Policy, has_residual
 from jaxcomp.optax._state import all_reduce_state, check_type, read_factors
 from jaxcomp.optax._step import all_finite, nonfinite_updates
-from jaxcomp.optax._telemetry import Telemetry, count_skipped, zero_telemetry
+from jaxcomp.optax._telemetry import Telemetry, count_skipped, first_telemetry
 from jaxcomp.optax._transform import compress_gradients
 
 _WHO = "jc.optax.powersgd"
@@ -305,12 +305,20 @@ class PowerSGD:
                 qs.append(optax.MaskedNode())
                 residuals.append(optax.MaskedNode())
         rest_leaves = [jax.tree.leaves(params)[i] for i in plan.rest]
+        rest = self.rest.init(rest_leaves) if self.rest is not None else ()
+        in_warmup = jnp.asarray(self.config.warmup_steps) > 0
+        rest_tel = rest.telemetry if self.rest is not None else None
+        skipped = jnp.zeros((), jnp.int32)
+        tel = first_telemetry(
+            axis_sizes_or_none(self.config.axis_name),
+            lambda s: _telemetry(plan, s[0], in_warmup, rest_tel, skipped),
+        )
         return PowerSGDState(
             step=jnp.zeros((), jnp.int32),
             qs=plan.treedef.unflatten(qs),
             residuals=plan.treedef.unflatten(residuals) if self.config.error_feedback else (),
-            rest=self.rest.init(rest_leaves) if self.rest is not None else (),
-            telemetry=zero_telemetry(),
+            rest=rest,
+            telemetry=tel,
         )
 
     def update_fn(self, grads, state: PowerSGDState, params=None):

@@ -42,7 +42,13 @@ class Telemetry(NamedTuple):
         was (a running count, unlike the other fields).
 
     The first three are constants of the plan, chosen by the warm-up flag:
-    reading them costs no communication.
+    reading them costs no communication. A new state (before its first
+    step) holds what the first step will send, computed from the
+    parameters' shapes and dtypes, when it was made where the mesh axes
+    are bound (``jc.optax.init``, ``jc.data_parallel``'s ``step.init``,
+    ``jax.pmap(tx.init, axis_name=...)``); a state made by a plain
+    ``tx.init`` outside the mesh holds zeros (it does not know the
+    number of devices).
     """
 
     bits_per_element: jax.Array
@@ -56,6 +62,30 @@ def zero_telemetry() -> Telemetry:
     """The telemetry of a state before its first step."""
     zero = jnp.zeros((), jnp.float32)
     return Telemetry(zero, zero, zero, zero, jnp.zeros((), jnp.int32))
+
+
+def first_telemetry(sizes, figures) -> Telemetry:
+    """The telemetry of a new state: ``figures(sizes)``, the static
+    ``Telemetry`` of its first step, where the mesh axes are bound
+    (``sizes`` their sizes), else (``sizes`` None) zeros."""
+    return zero_telemetry() if sizes is None else figures(sizes)
+
+
+def first_step_telemetry(plan: Plan, sizes, algorithm: str, warmup_steps) -> Telemetry:
+    """``compress_gradients``' telemetry before its first step: the plan's
+    constants, of a warm-up step if ``warmup_steps`` > 0 (may be traced);
+    zeros where the axes are not bound (``sizes`` None)."""
+    return first_telemetry(
+        sizes,
+        lambda sizes: step_telemetry(
+            plan,
+            sizes,
+            algorithm,
+            jnp.asarray(warmup_steps) > 0,
+            jnp.zeros((), jnp.float32),
+            jnp.zeros((), jnp.int32),
+        ),
+    )
 
 
 def static_telemetry(bits: float, wire: float, ratio: float, previous: Telemetry) -> Telemetry:

@@ -39,9 +39,9 @@ from jaxcomp.optax._step import Unpacked, all_finite, nonfinite_updates, pack, r
 from jaxcomp.optax._telemetry import (
     Telemetry,
     count_skipped,
+    first_step_telemetry,
     global_norm,
     step_telemetry,
-    zero_telemetry,
 )
 
 
@@ -186,7 +186,9 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             key=jax.random.key_data(jax.random.key(config.seed)),
             residuals=zero_residuals(plan, config.residual_dtype) if config.error_feedback else (),
             server_residuals=initial_servers(plan, config),
-            telemetry=zero_telemetry(),
+            telemetry=first_step_telemetry(
+                plan, axis_sizes_or_none(config.axis_name), config.algorithm, config.warmup_steps
+            ),
         )
 
     def update_fn(grads, state: CompressState, params=None):
