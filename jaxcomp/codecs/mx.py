@@ -80,8 +80,6 @@ class MX(BucketedCodec):
     decode_sum_kernel: ClassVar[bool] = True
     feedback_kernel: ClassVar[bool] = True
     cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode_feedback"})
 
     def __post_init__(self):
         mf.format_named("MX", "element", self.element, _ELEMENTS)
@@ -95,6 +93,14 @@ class MX(BucketedCodec):
     @property
     def format(self) -> mf.Format:
         return mf.FORMATS[self.element]
+
+    @property
+    def cuda_auto(self) -> frozenset[str]:  # type: ignore[override]
+        """The CUDA kernels "auto" runs (docs/gpu.md): the one-pass
+        error-feedback kernel, and the decode of 6-bit elements, whose
+        packed fields XLA's fusion of the twin decodes slower."""
+        six_bit = self.element in ("e3m2", "e2m3")
+        return frozenset({"encode_feedback", "decode"} if six_bit else {"encode_feedback"})
 
     @classmethod
     def examples(cls, *, coverage=False):
