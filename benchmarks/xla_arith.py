@@ -7,7 +7,7 @@ codecs use, against numpy (correctly rounded, subnormals kept):
 
 - ``a / b``, ``c / m`` for the codecs' constants, ``sqrt``;
 - ``a * b + c``: a fused multiply-add (one rounding) where XLA contracts;
-- the halving-tree sum of jaxcomp.ops._bucket (the order of the kernels);
+- the halving-tree sum of jaxcomp.ops.bucket (the order of the kernels);
 - ``round`` (ties to even) and ``floor``;
 - subnormal operands and results (flushed or kept);
 - the bits of NaNs that arithmetic creates;
@@ -64,7 +64,7 @@ def probe(platform: str, n: int) -> dict:
     import jax.numpy as jnp
     from jax import lax
 
-    from jaxcomp.ops import _bucket as bk
+    from jaxcomp.ops import bucket as bk
 
     dev = jax.devices(platform)[0]
     a, b, c = _inputs(n, 0)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxcomp.codecs import _minifloat as mf
 from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 
 _FORMATS = ("e4m3", "e5m2")
 

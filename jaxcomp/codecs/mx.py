@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxcomp.codecs import _minifloat as mf
 from jaxcomp.codecs.base import BucketedCodec, array, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 from jaxcomp.ops.packing import pack, unpack
 
 BLOCK = 32  # the specification's block size

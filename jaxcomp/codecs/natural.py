@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 from jaxcomp.ops.rng import rng_bits
 
 _U = np.uint32

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
 

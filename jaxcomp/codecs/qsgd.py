@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, check_int, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
 from jaxcomp.ops.rng import rng_uniform

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.codecs.base import BucketedCodec, array, num_buckets, register
-from jaxcomp.ops import _bucket as bk
+from jaxcomp.ops import bucket as bk
 from jaxcomp.ops import ieee, ternary
 from jaxcomp.ops.rng import rng_uniform
 

@@ -1,4 +1,5 @@
-"""Bucket helpers of the twins, mirroring cpu_kernels.inc."""
+"""Bucket helpers of the twins: the bucketing, max and halving-tree sums of
+ffi/cpu_buckets.h and ffi/include/jaxcomp/common.h, in the same order."""
 
 from __future__ import annotations
 
