@@ -113,22 +113,23 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
     const int fmt = static_cast<int>(format);
-    const int groups = tile_groups(bucket);
-    if (groups == 0) {
-      auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
-      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, fmt, seed, codes, scales, new_residual);
-      return;
+    if constexpr (tiled<T, Feedback>()) {
+      const int groups = tile_groups(bucket);
+      if (groups != 0) {
+        auto pick = [&](auto stochastic_tag) {
+          constexpr bool kStochastic = decltype(stochastic_tag)::value;
+          return groups == 1 ? fp8_encode_tile<T, kStochastic, Feedback, 1>
+                             : fp8_encode_tile<T, kStochastic, Feedback, 2>;
+        };
+        auto kernel = stochastic != 0 ? pick(std::true_type{}) : pick(std::false_type{});
+        const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+        kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, fmt, seed, codes,
+                                                                 scales, new_residual, vec);
+        return;
+      }
     }
-    auto pick = [&](auto stochastic_tag) {
-      constexpr bool kStochastic = decltype(stochastic_tag)::value;
-      return groups == 1 ? fp8_encode_tile<T, kStochastic, Feedback, 1>
-             : groups == 2 ? fp8_encode_tile<T, kStochastic, Feedback, 2>
-                           : fp8_encode_tile<T, kStochastic, Feedback, 4>;
-    };
-    auto kernel = stochastic != 0 ? pick(std::true_type{}) : pick(std::false_type{});
-    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
-    kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, fmt, seed, codes, scales,
-                                                             new_residual, vec);
+    auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, fmt, seed, codes, scales, new_residual);
   });
 }
 

@@ -21,6 +21,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "jaxcomp/common.h"
 
@@ -300,10 +301,21 @@ __device__ __forceinline__ float bucket_max_abs(const T* __restrict__ x, int64_t
 // the warp and all of a lane's loads in flight together; the bucket's
 // reduction runs over the registers and warp shuffles (no shared memory, no
 // barrier); the codes and the new residual are then formed from the same
-// registers. Larger buckets take the two-phase kernels above.
+// registers. Larger buckets take the two-phase kernels above: each G is
+// another kernel per codec, dtype and variant to compile, and the codecs'
+// default buckets are at most 512 values.
 // ---------------------------------------------------------------------------
-constexpr int kMaxTileGroups = 4;
+constexpr int kMaxTileGroups = 2;
 constexpr unsigned kFullWarp = 0xffffffffu;
+
+// Whether encodes of T (under error feedback: Feedback) have tile kernels.
+// Error feedback compresses float32 sums in training (compress_gradients),
+// so its 16-bit inputs keep the two-phase kernels: a third fewer kernels
+// to compile.
+template <typename T, bool Feedback>
+constexpr bool tiled() {
+  return !Feedback || std::is_same<T, float>::value;
+}
 
 // G for a bucket, or 0 where the bucket takes the two-phase kernels.
 inline int tile_groups(int64_t bucket) {

@@ -185,22 +185,23 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
     const int b = static_cast<int>(bits);
-    const int groups = tile_groups(bucket);
-    if (groups == 0) {
-      auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
-      kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, b, seed, packed, scales, new_residual, vec);
-      return;
+    if constexpr (tiled<T, Feedback>()) {
+      const int groups = tile_groups(bucket);
+      if (groups != 0) {
+        auto pick = [&](auto l2_tag) {
+          constexpr bool kL2 = decltype(l2_tag)::value;
+          return groups == 1 ? qsgd_encode_tile<T, kL2, Feedback, 1>
+                             : qsgd_encode_tile<T, kL2, Feedback, 2>;
+        };
+        auto kernel = l2 != 0 ? pick(std::true_type{}) : pick(std::false_type{});
+        const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+        kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, b, seed, packed,
+                                                                 scales, new_residual, vec);
+        return;
+      }
     }
-    auto pick = [&](auto l2_tag) {
-      constexpr bool kL2 = decltype(l2_tag)::value;
-      return groups == 1 ? qsgd_encode_tile<T, kL2, Feedback, 1>
-             : groups == 2 ? qsgd_encode_tile<T, kL2, Feedback, 2>
-                           : qsgd_encode_tile<T, kL2, Feedback, 4>;
-    };
-    auto kernel = l2 != 0 ? pick(std::true_type{}) : pick(std::false_type{});
-    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
-    kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, b, seed, packed, scales,
-                                                             new_residual, vec);
+    auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
+    kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, b, seed, packed, scales, new_residual, vec);
   });
 }
 
