@@ -26,10 +26,9 @@ PLATFORMS = ", ".join(sorted({d.platform for d in jax.devices()}))
 
 @pytest.fixture
 def ffi(monkeypatch):
-    """_ffi with its records emptied and its view of the world patchable;
-    sys.modules and the environment restored afterwards."""
-    monkeypatch.setattr(_ffi, "_WHY_NOT", {})
-    monkeypatch.setattr(_ffi, "_LOADED", {})
+    """A fresh loader as the process's (``_ffi.LOADER``), its view of the
+    world patchable; sys.modules and the environment restored afterwards."""
+    monkeypatch.setattr(_ffi, "LOADER", _ffi.Loader())
     monkeypatch.delenv("JAXCOMP_CPU_MODULE", raising=False)
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     names = [f"jaxcomp.{m}" for m in (CPU, CUDA)]
@@ -49,43 +48,43 @@ def _absent(module):
 def _checkout(ffi, root, installed=(), packages=None):
     """A source checkout at ``root`` without compiled modules, beside
     installed builds ``installed``."""
-    ffi.setattr(_ffi, "_own", _absent)
-    ffi.setattr(_ffi, "checkout_root", lambda: root)
-    ffi.setattr(_ffi, "_installed_elsewhere", lambda module: list(installed))
+    ffi.setattr(_ffi.LOADER, "own", _absent)
+    ffi.setattr(_ffi.LOADER, "checkout_root", lambda: root)
+    ffi.setattr(_ffi.LOADER, "installed_elsewhere", lambda module: list(installed))
     pkgs = [pathlib.Path(p).parent for p in installed] if packages is None else packages
-    ffi.setattr(_ffi, "_other_packages", lambda: pkgs)
+    ffi.setattr(_ffi.LOADER, "other_packages", lambda: pkgs)
 
 
 # ---------------------------------------------------------------------------
 # Why a module is (not) loaded
 # ---------------------------------------------------------------------------
 def test_an_installed_package_without_the_module_is_not_built(ffi):
-    ffi.setattr(_ffi, "_own", _absent)
-    ffi.setattr(_ffi, "checkout_root", lambda: None)
-    assert _ffi._import(CPU) is None
-    assert _ffi._WHY_NOT[CPU].startswith(
-        f"not built: the jaxcomp installed in {_ffi._PACKAGE} has no CPU module; reinstall it"
+    ffi.setattr(_ffi.LOADER, "own", _absent)
+    ffi.setattr(_ffi.LOADER, "checkout_root", lambda: None)
+    assert _ffi.LOADER.import_module(CPU) is None
+    assert _ffi.LOADER.why_not[CPU].startswith(
+        f"not built: the jaxcomp installed in {_ffi.LOADER.package} has no CPU module; reinstall it"
     )
-    assert _ffi._import(CUDA) is None
-    assert "has no CUDA module" in _ffi._WHY_NOT[CUDA]
-    assert "JAXCOMP_CUDA=ON pip install ." in _ffi._WHY_NOT[CUDA]
+    assert _ffi.LOADER.import_module(CUDA) is None
+    assert "has no CUDA module" in _ffi.LOADER.why_not[CUDA]
+    assert "JAXCOMP_CUDA=ON pip install ." in _ffi.LOADER.why_not[CUDA]
 
 
 def test_a_module_that_is_there_but_does_not_import_is_not_called_not_built(ffi):
     def broken(module):
         raise ImportError("libcudart.so.13: cannot open shared object file")
 
-    ffi.setattr(_ffi, "_own", broken)
-    assert _ffi._import(CUDA) is None
-    why = _ffi._WHY_NOT[CUDA]
+    ffi.setattr(_ffi.LOADER, "own", broken)
+    assert _ffi.LOADER.import_module(CUDA) is None
+    why = _ffi.LOADER.why_not[CUDA]
     assert "not built" not in why
-    assert why.startswith(f"the CUDA module in {_ffi._PACKAGE} does not import (libcudart")
+    assert why.startswith(f"the CUDA module in {_ffi.LOADER.package} does not import (libcudart")
 
 
 def test_a_checkout_with_nothing_installed_is_not_built(ffi, tmp_path):
     _checkout(ffi, tmp_path, packages=[])
-    assert _ffi._import(CPU) is None
-    assert _ffi._WHY_NOT[CPU] == (
+    assert _ffi.LOADER.import_module(CPU) is None
+    assert _ffi.LOADER.why_not[CPU] == (
         f"not built: this source checkout ({tmp_path}) has no compiled CPU module and no "
         "jaxcomp is installed elsewhere on sys.path; install the package from this "
         "checkout (pip install .)"
@@ -95,8 +94,8 @@ def test_a_checkout_with_nothing_installed_is_not_built(ffi, tmp_path):
 def test_a_checkout_beside_an_install_without_the_module(ffi, tmp_path):
     site = tmp_path / "site" / "jaxcomp"
     _checkout(ffi, tmp_path, packages=[site])
-    assert _ffi._import(CUDA) is None
-    why = _ffi._WHY_NOT[CUDA]
+    assert _ffi.LOADER.import_module(CUDA) is None
+    why = _ffi.LOADER.why_not[CUDA]
     assert why.startswith(f"not built: this source checkout ({tmp_path}) has no compiled CUDA")
     assert f"the installed jaxcomp ({site}) has none either" in why
 
@@ -106,9 +105,9 @@ def test_an_install_from_other_sources_says_so_and_how_to_fix_it(ffi, tmp_path):
     _checkout(ffi, tmp_path / "checkout", installed=[installed])
     ffi.setattr(_ffi, "kernel_sources_hash", lambda root: "a" * 64)
     fake = types.SimpleNamespace(source_hash=lambda: "b" * 64)
-    ffi.setattr(_ffi, "_from_file", lambda module, path, register=True: fake)
-    assert _ffi._import(CPU) is None
-    why = _ffi._WHY_NOT[CPU]
+    ffi.setattr(_ffi.LOADER, "from_file", lambda module, path, register=True: fake)
+    assert _ffi.LOADER.import_module(CPU) is None
+    why = _ffi.LOADER.why_not[CPU]
     assert "not built" not in why
     assert why == (
         f"the installed build ({installed}) was compiled from other kernel sources than this "
@@ -124,9 +123,9 @@ def test_an_installed_build_that_does_not_import(ffi, tmp_path):
     def broken(module, path, register=True):
         raise ImportError("undefined symbol: _ZN3xla3ffi")
 
-    ffi.setattr(_ffi, "_from_file", broken)
-    assert _ffi._import(CPU) is None
-    assert _ffi._WHY_NOT[CPU] == (
+    ffi.setattr(_ffi.LOADER, "from_file", broken)
+    assert _ffi.LOADER.import_module(CPU) is None
+    assert _ffi.LOADER.why_not[CPU] == (
         f"the installed build ({installed}) does not import (undefined symbol: _ZN3xla3ffi); "
         f"reinstall it from the checkout (pip install . in {tmp_path / 'checkout'})"
     )
@@ -137,14 +136,14 @@ def test_an_install_from_the_same_sources_is_loaded_and_says_from_where(ffi, tmp
     _checkout(ffi, tmp_path / "checkout", installed=[installed])
     ffi.setattr(_ffi, "kernel_sources_hash", lambda root: "a" * 64)
     fake = types.SimpleNamespace(source_hash=lambda: "a" * 64, isa=lambda: "avx2")
-    ffi.setattr(_ffi, "_from_file", lambda module, path, register=True: fake)
-    assert _ffi._import(CPU) is fake
-    assert _ffi._LOADED[CPU] == str(installed)
-    ffi.setattr(_ffi, "cpu_available", lambda: True)
+    ffi.setattr(_ffi.LOADER, "from_file", lambda module, path, register=True: fake)
+    assert _ffi.LOADER.import_module(CPU) is fake
+    assert _ffi.LOADER.loaded[CPU] == str(installed)
+    ffi.setattr(_ffi.LOADER, "cpu_available", lambda: True)
     assert _ffi.why_not_loaded(CPU) == f"loaded from {installed}"
-    ffi.setattr(_ffi, "_cuda_gpus", lambda: [])
-    ffi.setattr(_ffi, "_module", lambda module: None)
-    _ffi._WHY_NOT[CUDA] = "not built: ..."
+    ffi.setattr(_ffi.LOADER, "cuda_gpus", lambda: [])
+    ffi.setattr(_ffi.LOADER, "module", lambda module: None)
+    _ffi.LOADER.why_not[CUDA] = "not built: ..."
     assert _ffi.kernels_line().startswith(
         f"CPU kernels avx2 (the installed build in {installed.parent}, built from this "
         "checkout's sources); "
@@ -163,13 +162,13 @@ def test_loaded_kernels_are_not_called_not_built():
 def test_a_missing_jaxcomp_cpu_module_names_the_variable(ffi, tmp_path):
     missing = tmp_path / "missing.so"
     ffi.setenv("JAXCOMP_CPU_MODULE", str(missing))
-    load = _ffi._load.__wrapped__  # not the process's cached answer
+    load = _ffi.LOADER.load  # a fresh loader's: not the process's answer
     with pytest.raises(ImportError, match=r"JAXCOMP_CPU_MODULE='.*missing\.so' does not load"):
         load(CPU, "cpu")
-    ffi.setattr(_ffi, "cpu_available", lambda: load(CPU, "cpu"))
-    ffi.setattr(_ffi, "_cuda_gpus", lambda: [])
-    ffi.setattr(_ffi, "_module", lambda module: None)
-    _ffi._WHY_NOT[CUDA] = "not built: ..."
+    ffi.setattr(_ffi.LOADER, "cpu_available", lambda: load(CPU, "cpu"))
+    ffi.setattr(_ffi.LOADER, "cuda_gpus", lambda: [])
+    ffi.setattr(_ffi.LOADER, "module", lambda module: None)
+    _ffi.LOADER.why_not[CUDA] = "not built: ..."
     line = _ffi.kernels_line()
     assert line.startswith("CPU kernels not loaded: JAXCOMP_CPU_MODULE=")
     assert "(no such file)" in line and "unset it" in line
@@ -181,18 +180,18 @@ def test_a_missing_jaxcomp_cpu_module_names_the_variable(ffi, tmp_path):
 @pytest.fixture
 def cpu_only(ffi):
     """A process with the CPU kernels of this package and no GPU."""
-    ffi.setattr(_ffi, "cpu_available", lambda: True)
-    ffi.setattr(_ffi, "cpu_isa", lambda: "avx2")
-    ffi.setattr(_ffi, "_cuda_gpus", lambda: [])
-    ffi.setattr(_ffi, "_module", lambda module: None)
-    _ffi._LOADED[CPU] = str(_ffi._PACKAGE / "_jaxcomp_cpu.so")
+    ffi.setattr(_ffi.LOADER, "cpu_available", lambda: True)
+    ffi.setattr(_ffi.LOADER, "cpu_isa", lambda: "avx2")
+    ffi.setattr(_ffi.LOADER, "cuda_gpus", lambda: [])
+    ffi.setattr(_ffi.LOADER, "module", lambda module: None)
+    _ffi.LOADER.loaded[CPU] = str(_ffi.LOADER.package / "_jaxcomp_cpu.so")
     return ffi
 
 
 def test_no_gpu_with_the_cuda_module_installed(cpu_only):
     path = "/site/jaxcomp/_jaxcomp_cuda.so"
-    cpu_only.setattr(_ffi, "_module", lambda module: object())
-    _ffi._LOADED[CUDA] = path
+    cpu_only.setattr(_ffi.LOADER, "module", lambda module: object())
+    _ffi.LOADER.loaded[CUDA] = path
     line = _ffi.kernels_line()
     assert line.startswith(
         f"CPU kernels avx2; no CUDA GPU visible to JAX (its devices: {PLATFORMS})"
@@ -203,14 +202,14 @@ def test_no_gpu_with_the_cuda_module_installed(cpu_only):
 
 
 def test_no_gpu_and_no_cuda_module(cpu_only):
-    _ffi._WHY_NOT[CUDA] = "not built: this jaxcomp has none"
+    _ffi.LOADER.why_not[CUDA] = "not built: this jaxcomp has none"
     line = _ffi.kernels_line()
     assert "no CUDA GPU visible to JAX" in line
     assert line.endswith("no CUDA module is built either (it is built where nvcc is found)")
 
 
 def test_no_gpu_and_a_cuda_module_of_other_sources(cpu_only):
-    _ffi._WHY_NOT[CUDA] = "the installed build (/x) was compiled from other kernel sources"
+    _ffi.LOADER.why_not[CUDA] = "the installed build (/x) was compiled from other kernel sources"
     line = _ffi.kernels_line()
     assert "no CUDA GPU visible to JAX" in line
     assert line.endswith(
@@ -226,21 +225,21 @@ def test_no_gpu_names_jax_platforms(cpu_only):
 
 def test_a_gpu_without_the_cuda_kernels(cpu_only):
     gpu = types.SimpleNamespace(device_kind="NVIDIA H100")
-    cpu_only.setattr(_ffi, "_cuda_gpus", lambda: [gpu])
-    cpu_only.setattr(_ffi, "cuda_available", lambda: False)
-    _ffi._WHY_NOT[CUDA] = "not built: none here"
+    cpu_only.setattr(_ffi.LOADER, "cuda_gpus", lambda: [gpu])
+    cpu_only.setattr(_ffi.LOADER, "cuda_available", lambda: False)
+    _ffi.LOADER.why_not[CUDA] = "not built: none here"
     assert _ffi.kernels_line() == (
         "CPU kernels avx2; CUDA kernels not loaded on the NVIDIA H100: not built: none here"
     )
-    cpu_only.setattr(_ffi, "cuda_available", lambda: True)
-    _ffi._LOADED[CUDA] = str(_ffi._PACKAGE / "_jaxcomp_cuda.so")
+    cpu_only.setattr(_ffi.LOADER, "cuda_available", lambda: True)
+    _ffi.LOADER.loaded[CUDA] = str(_ffi.LOADER.package / "_jaxcomp_cuda.so")
     assert _ffi.kernels_line() == "CPU kernels avx2; CUDA kernels on NVIDIA H100"
 
 
 def test_cpu_kernels_of_other_sources(cpu_only):
-    cpu_only.setattr(_ffi, "cpu_available", lambda: False)
-    _ffi._WHY_NOT[CPU] = "the installed build (/x) was compiled from other kernel sources"
-    _ffi._WHY_NOT[CUDA] = "not built: ..."
+    cpu_only.setattr(_ffi.LOADER, "cpu_available", lambda: False)
+    _ffi.LOADER.why_not[CPU] = "the installed build (/x) was compiled from other kernel sources"
+    _ffi.LOADER.why_not[CUDA] = "not built: ..."
     assert _ffi.kernels_line().startswith(
         "CPU kernels not loaded: the installed build (/x) was compiled from other kernel sources; "
     )
@@ -249,9 +248,9 @@ def test_cpu_kernels_of_other_sources(cpu_only):
 def test_backend_ffi_without_kernels_says_why(cpu_only):
     cpu_only.setattr(_dispatch, "cpu_available", lambda: False)
     cpu_only.setattr(_dispatch, "cuda_available", lambda: False)
-    cpu_only.setattr(_ffi, "cpu_available", lambda: False)
-    _ffi._WHY_NOT[CPU] = "the installed build (/x) was compiled from other kernel sources"
-    _ffi._WHY_NOT[CUDA] = "not built: ..."
+    cpu_only.setattr(_ffi.LOADER, "cpu_available", lambda: False)
+    _ffi.LOADER.why_not[CPU] = "the installed build (/x) was compiled from other kernel sources"
+    _ffi.LOADER.why_not[CUDA] = "not built: ..."
     with pytest.raises(RuntimeError) as e:
         jc.codecs.QSGD().encode(jnp.ones(64), jax.random.key(0), backend="ffi")
     msg = str(e.value)

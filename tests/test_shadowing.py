@@ -34,7 +34,7 @@ needs_kernels = pytest.mark.skipif(not jaxcomp.cpu_available(), reason="CPU kern
 
 @needs_kernels
 def test_python_from_the_root_runs_the_installed_kernels():
-    if not _ffi._installed_elsewhere("_jaxcomp_cpu") and _ffi.checkout_root() == ROOT:
+    if not _ffi.LOADER.installed_elsewhere("_jaxcomp_cpu") and _ffi.checkout_root() == ROOT:
         pytest.skip("no installed build beside the checkout (an in-place build?)")
     path, available, _ = _probe(ROOT)
     assert pathlib.Path(path).resolve() == ROOT / "jaxcomp" / "__init__.py"
