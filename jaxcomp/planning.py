@@ -9,14 +9,16 @@ it predicts the time of every codec x algorithm and ranks them against
 - **the wire**: the alpha-beta model (Hockney 1994; for the collectives,
   Thakur, Rabenseifner and Gropp 2005): every collective costs its rounds
   times the link's latency plus its bytes over the bandwidth. The bytes are
-  the library's own accounting (``jc.collectives.operand_nbytes``, the
-  codecs' ``wire_nbytes`` and ``capacity_tiers``, the rules of
-  ``jc.collectives.send_nbytes``), not derived again here. Where several
+  library's own accounting: every registered algorithm declares its
+  collectives and their bytes (``jc.collectives.Algorithm.collectives``,
+  from the codecs' ``wire_nbytes`` and ``capacity_tiers``), not derived
+  again here. Where several
   devices of one process (node) reach other nodes over one link, that
   link carries the node's share of every collective (below, ``_egress``);
 - **the codec's kernels**: the encodes and decodes the algorithm runs
-  (one line per algorithm in ``kernel_calls``, matching the compiled
-  program: tests/test_planning.py counts the custom calls), at the
+  (as it declares them, ``jc.collectives.Algorithm.kernel_calls``,
+  matching the compiled program: tests/test_planning.py counts the custom
+  calls), at the
   per-element cost measured by ``jaxcomp._bench`` (``python -m jaxcomp
   bench``) on this machine or read from a stored run;
 - **memory passes** (CPU): XLA's own count of the bytes the program's other
@@ -40,21 +42,23 @@ import functools
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.collectives import (
+    Algorithm,
+    Collective,
+    KernelCall,
     choose_algorithm,
-    chunk_len,
-    operand_nbytes,
-    recompression_warning,
-    sparse_is_static,
+    registered,
+    tier_nbytes,
 )
 
 F32 = np.dtype(np.float32)
-FLAT_ALGORITHMS = ("allgather", "two_phase", "ring", "sparse", "allreduce")
 BASELINE = "lax.psum"
 # glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX,
 # 4 * 1024 * 1024 * sizeof(long)): buffers above it are mmapped and unmapped
@@ -68,12 +72,6 @@ ERROR_FEEDBACK_BYTES = 20
 # Devices the CPU programs are compiled for to read XLA's memory traffic;
 # beyond it the traffic is extrapolated linearly in the number of devices.
 TRAFFIC_MAX_DEVICES = 8
-# The dense algorithms ranked unless asked for others. The ring is left out:
-# P compressions and 2 (P - 1) hops in sequence, and on XLA:CPU a copy of
-# its accumulator at every hop (its "memory" term, docs/choosing.md); on
-# the test bed it beat two-phase only where gloo's all-to-all is slowest,
-# bf16 at 100 Mbit (docs/benchmarks.md).
-DEFAULT_DENSE = ("allgather", "two_phase")
 
 
 # ---------------------------------------------------------------------------
@@ -335,72 +333,55 @@ def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> Kern
 # ---------------------------------------------------------------------------
 # The library's bytes, per collective
 # ---------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of an algorithm: its kind (as in
-    ``jc.collectives.operand_nbytes``) and this device's operand bytes."""
-
-    kind: str
-    operand: float
-
-
-def _tier(codec: Codec, m: int, bits: float | None) -> int:
-    """The operand bytes of a variable-rate payload of ``m`` values in the
-    capacity tier it travels in (``jaxcomp.collectives._tiers.transfer``):
-    the smallest tier that holds the stream the data needs (the largest
-    where that is unknown), plus the payload's other arrays (scale, length),
-    which do not change with the capacity."""
-    tiers = codec.capacity_tiers(m)
-    fixed = codec.wire_nbytes((m,), F32) - codec.stream_capacity(m)
-    if bits is None:
-        return fixed + tiers[-1]
-    need = bits * m / 8
-    return fixed + next((t for t in tiers if t >= need), tiers[-1])
+def _named(algorithm: str) -> Algorithm:
+    """The registered algorithm called ``algorithm``."""
+    for alg in registered():
+        if alg.name == algorithm:
+            return alg
+    known = ", ".join(a.name for a in registered())
+    raise ValueError(f"jaxcomp.planning: unknown algorithm {algorithm!r} (one of {known})")
 
 
 def collectives(
-    codec: Codec | None, algorithm: str, n: int, devices: int, bits: float | None = None
+    codec: Codec | None, algorithm: str, n: int, devices, bits: float | None = None
 ) -> list[Collective]:
-    """The collectives of one all-reduce of ``n`` float32 values over one
-    axis of ``devices``, in program order.
+    """The collectives of one all-reduce of ``n`` float32 values, in
+    program order, as the algorithm declares them
+    (``jc.collectives.Algorithm.collectives``).
 
-    Fixed-rate and sparse codecs: ``jc.collectives.operand_nbytes``.
-    Variable-rate codecs move each payload in a capacity tier agreed by a
-    ``pmax`` (a 4-byte all-reduce) first; ``bits`` is what the data needs
-    (None: the largest tier, as ``operand_nbytes`` counts it). The ring's
-    collective-permute operand is cut into its ``2 (P - 1)`` hops.
-    ``codec`` None: ``lax.psum`` of the float32 tensor.
+    Args:
+      codec: the codec; None: ``lax.psum`` of the float32 tensor.
+      algorithm: a registered algorithm's name.
+      n: values per device.
+      devices: the devices of one axis, or ``(slow, fast)`` sizes for an
+        algorithm of two axes (each collective says which it runs over).
+      bits: for variable-rate codecs, the payload bits per element the
+        data needs, which pick each payload's capacity tier (None: the
+        largest tier, as ``jc.collectives.operand_nbytes`` counts it).
     """
-    p = devices
-    if p == 1:
+    axes = Axes.of_sizes(devices)
+    if not axes.hierarchical and axes.size == 1:
         return []
     if codec is None:
         return [Collective("all-reduce", 4 * n)]
-    if codec.rate is Rate.VARIABLE:
-        return _variable_collectives(codec, algorithm, n, p, bits)
-    ops = operand_nbytes(codec, (n,), F32, p, algorithm)
-    out = []
-    if algorithm == "sparse" and not sparse_is_static(codec, n, F32, p):
-        out.append(Collective("all-reduce", 4))  # the pmax choosing the pair tier
-    if algorithm == "ring":
-        hops = 2 * (p - 1)
-        return [Collective("collective-permute", ops["collective-permute"] / hops)] * hops
-    out += [Collective(kind, b) for kind, b in ops.items()]
-    return out
+    return _named(algorithm).collectives(codec, n, F32, axes, bits)
 
 
-def _variable_collectives(codec, algorithm, n, p, bits) -> list[Collective]:
-    pmax = Collective("all-reduce", 4)
-    if algorithm == "two_phase":
-        c = chunk_len(codec, n, p)
-        t = _tier(codec, c, bits)
-        return [pmax, Collective("all-to-all", p * t), pmax, Collective("all-gather", t)]
-    if algorithm == "allgather":
-        return [pmax, Collective("all-gather", _tier(codec, n, bits))]
-    if algorithm == "ring":
-        t = _tier(codec, -(-n // p), bits)
-        return [pmax, Collective("collective-permute", t)] * (2 * (p - 1))
-    raise ValueError(f"jaxcomp.planning: {algorithm!r} does not take {codec!r}")
+def hierarchical_collectives(
+    codec: Codec, n: int, nodes: int, local: int, bits: float | None = None
+) -> tuple[list[Collective], str, list[Collective]]:
+    """Deprecated: :func:`collectives` over ``(nodes, local)`` devices,
+    each collective with the axis it runs over."""
+    warnings.warn(
+        "jaxcomp.planning.hierarchical_collectives is deprecated; use "
+        "collectives(codec, algorithm, n, (nodes, local)), whose collectives say their axis",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    m = -(-n // local)
+    slow_alg = choose_algorithm(codec, m, nodes)
+    colls = collectives(codec, choose_algorithm(codec, n, (nodes, local)), n, (nodes, local), bits)
+    return [c for c in colls if c.axis == 1], slow_alg, [c for c in colls if c.axis == 0]
 
 
 def device_send_bytes(c: Collective, devices: int) -> float:
@@ -457,7 +438,7 @@ def _collective_time(
 ) -> tuple[float, float]:
     """(wire seconds, latency seconds) of ``c`` over ``nodes * local``
     devices; ``groups`` such collectives run at once, one per device of a
-    node (the hierarchical algorithm's slow stage), sharing its link."""
+    node (the slow axis of ``(slow, fast)`` axes), sharing its link."""
     p = nodes * local
     wire, alpha = 0.0, 0.0
     if nodes > 1:
@@ -469,70 +450,18 @@ def _collective_time(
     return wire, rounds(c, p) * alpha
 
 
-def hierarchical_collectives(
-    codec: Codec, n: int, nodes: int, local: int, bits: float | None = None
-) -> tuple[list[Collective], str, list[Collective]]:
-    """The hierarchical all-reduce over ``(nodes, local)`` devices
-    (docs/collectives.md): ``(fast, slow algorithm, slow)``, the float32
-    reduce-scatter and all-gather over the ``local`` devices of a node, and
-    the collectives of the slow stage, the algorithm ``auto`` picks for a
-    ``ceil(n / local)`` chunk over ``nodes`` devices."""
-    m = -(-n // local)
-    slow_alg = choose_algorithm(codec, m, nodes)
-    fast = [Collective("reduce-scatter", 4 * local * m), Collective("all-gather", 4 * m)]
-    return fast, slow_alg, collectives(codec, slow_alg, m, nodes, bits)
-
-
-# ---------------------------------------------------------------------------
-# Compute: kernel calls and memory passes
-# ---------------------------------------------------------------------------
-def kernel_calls(
-    codec: Codec, algorithm: str, n: int, devices: int
-) -> list[tuple[str, int, Codec]]:
+def kernel_calls(codec: Codec, algorithm: str, n: int, devices) -> list[KernelCall]:
     """The encode and decode kernel calls of one device, ``(what, values,
-    codec)``, as ``jc.psum`` runs them for its value (docs/collectives.md,
-    "Algorithms"; the compiled program's custom calls, tested).
-
-    - allgather: encode the tensor; decode all P payloads (QSGD's
-      decode-and-sum kernel, or decoded rows then summed);
-    - two_phase: encode the tensor (its chunks); decode the P received
-      chunks; encode the reduced chunk; decode the P gathered chunks;
-    - ring: P encodes of a chunk (P - 1 scatter-reduce hops and the
-      owner's) and 2P - 1 decodes (every received hop, and the owner's own);
-    - sparse: the top-k selection (its pairs are summed by XLA, below), and
-      for the split algorithm the dense stage's ``value_codec`` if any;
-    - allreduce and one device: encode and decode once.
-    Identity has no kernel.
-    """
-    p = devices
+    codec)``, as ``jc.psum`` runs them for its value: what the algorithm
+    declares (``jc.collectives.Algorithm.kernel_calls``; the compiled
+    program's custom calls, tested); one device encodes and decodes once.
+    Identity has no kernel. ``devices``: as in :func:`collectives`."""
     if codec.name == "identity":
         return []
-    if p == 1 or algorithm == "allreduce":
-        return [("encode", n, codec), ("decode", n, codec)]
-    if algorithm == "allgather":
-        return [("encode", n, codec), ("decode", p * n, codec)]
-    if algorithm == "two_phase":
-        c = chunk_len(codec, n, p)
-        return [
-            ("encode", p * c, codec),  # the tensor, cut into P chunks
-            ("decode", p * c, codec),  # the P received pieces of my chunk
-            ("encode", c, codec),  # my reduced chunk
-            ("decode", p * c, codec),  # the P gathered chunks
-        ]
-    if algorithm == "ring":
-        c = -(-n // p)
-        return [("encode", c, codec)] * p + [("decode", c, codec)] * (2 * p - 1)
-    if algorithm == "sparse":
-        vc = codec.value_codec
-        if vc is None or sparse_is_static(codec, n, F32, p):
-            return [("encode", n, codec)]
-        c = -(-n // p)
-        return [
-            ("encode", n, codec),
-            ("encode", c, vc),
-            ("decode", p * c, vc),
-        ]
-    raise ValueError(f"jaxcomp.planning: unknown algorithm {algorithm!r}")
+    axes = Axes.of_sizes(devices)
+    if not axes.hierarchical and axes.size == 1:
+        return [KernelCall("encode", n, codec), KernelCall("decode", n, codec)]
+    return _named(algorithm).kernel_calls(codec, n, F32, axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,7 +480,7 @@ class Traffic:
 def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...], n: int) -> Traffic:
     """Compiles ``jc.psum`` (``lax.psum`` for ``codec`` None) of ``n`` float32
     per device on a CPU mesh of ``shape`` (one axis, or ``(slow, fast)``
-    for the hierarchical algorithm) and reads XLA's cost and memory
+    for an algorithm of two axes) and reads XLA's cost and memory
     analyses. Needs ``prod(shape)`` CPU devices (``jax_num_cpu_devices``)."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -572,8 +501,7 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     def f(x, k):
         if codec is None:
             return jax.lax.psum(x, axis)
-        alg = "auto" if algorithm == "hierarchical" else algorithm
-        return psum(x[0], axis, codec, key=k, algorithm=alg).value[None]
+        return psum(x[0], axis, codec, key=k, algorithm=algorithm).value[None]
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)))
     x = jax.ShapeDtypeStruct((count, n), np.float32)
@@ -595,7 +523,7 @@ def traffic(
 ) -> Traffic:
     """:func:`program_traffic` for any number of devices: compiled at up
     to :data:`TRAFFIC_MAX_DEVICES` devices (fewer if fewer CPU devices are
-    present; a hierarchical mesh at up to half of them x 2), and past that
+    present; a ``(slow, fast)`` mesh at up to half of them x 2), and past that
     extrapolated linearly in the devices from two sizes where it grows
     (the allgather's decoded rows and the ring's copies grow with P), held
     where it does not."""
@@ -636,8 +564,8 @@ class Estimate:
 
     Attributes:
       codec: the codec (None: ``lax.psum`` of float32).
-      algorithm: the algorithm (its slow stage in brackets for
-        hierarchical).
+      algorithm: the algorithm (as it labels itself: the hierarchical one
+        with its slow stage in brackets).
       wire: bandwidth time of every collective.
       latency: rounds times the links' latency.
       kernels: the codec's encodes and decodes.
@@ -709,8 +637,9 @@ def predict(
 
     Args:
       codec: the codec, or None for ``lax.psum`` (``algorithm`` ignored).
-      algorithm: one of ``FLAT_ALGORITHMS`` over all the cluster's devices,
-        or "hierarchical" over (processes, devices per process).
+      algorithm: a registered algorithm: one of one axis over all the
+        cluster's devices, or one of two axes over (processes, devices per
+        process).
       n: values per device.
       cluster: the devices and links.
       compute: the codecs' measured speed (None: the wire alone).
@@ -720,10 +649,57 @@ def predict(
       An :class:`Estimate`.
     """
     if codec is None:
-        return _predict_flat(None, BASELINE, n, cluster, compute, False)
-    if algorithm == "hierarchical":
-        return _predict_hierarchical(codec, n, cluster, compute, error_feedback)
-    return _predict_flat(codec, algorithm, n, cluster, compute, error_feedback)
+        return _predict_baseline(n, cluster, compute)
+    alg = _named(algorithm)
+    axes, spans = _axes(cluster, alg.num_axes)
+    colls = collectives(codec, alg.name, n, axes.axis_sizes, _bits(codec, compute))
+    wire, latency, inter, dev = _on_axes(colls, cluster, spans)
+    calls = kernel_calls(codec, alg.name, n, axes.axis_sizes)
+    kern, mem = _compute_seconds(codec, alg.name, calls, n, axes.sizes, compute)
+    own = alg.compressed_values(n, axes) if axes.size > 1 else n
+    if error_feedback:
+        # On one device the decoded payload is the value itself.
+        k2, m2 = _error_feedback(compute, codec, n, own if axes.size > 1 else 0)
+        kern, mem = kern + k2, mem + m2
+    bits = 8 * _payload_bytes(codec, own, compute) / own
+    label = alg.label(codec, n, axes)
+    return Estimate(codec, label, wire, latency, kern, mem, inter, dev, bits)
+
+
+def _axes(cluster: Cluster, num_axes: int) -> tuple[Axes, list[tuple[int, int, int]]]:
+    """The axes an algorithm of ``num_axes`` axes runs over on ``cluster``,
+    and for each axis ``(nodes, local, groups)``: the processes it spans,
+    the devices of each process it spans, and how many such collectives
+    share a process's link at once. One axis: every device (node-major);
+    ``(slow, fast)``: the processes, then the devices of each."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    if num_axes == 1:
+        return Axes((cluster.devices,)), [(nodes, local, 1)]
+    return Axes((nodes, local)), [(nodes, 1, local), (1, local, 1)]
+
+
+def _on_axes(colls: Sequence[Collective], cluster: Cluster, spans) -> tuple[float, ...]:
+    """(wire s, latency s, bytes one process sends to the others, bytes one
+    device sends) of ``colls`` over the axes of ``spans``."""
+    wire = latency = 0.0
+    inter = dev = 0
+    for i, (nodes, local, groups) in enumerate(spans):
+        on = [c for c in colls if c.axis == i]
+        w, a = _wire(on, cluster, nodes, local, groups)
+        wire, latency = wire + w, latency + a
+        if nodes > 1:  # an axis within a process sends nothing to the others
+            inter += groups * sum(_egress(c, nodes, local) for c in on)
+        dev += sum(device_send_bytes(c, nodes * local) for c in on)
+    return wire, latency, inter, dev
+
+
+def _predict_baseline(n: int, cluster: Cluster, compute: Compute | None) -> Estimate:
+    """``lax.psum`` of ``n`` float32 values over every device."""
+    p, local = cluster.devices, cluster.devices_per_process
+    colls = collectives(None, BASELINE, n, p)
+    wire, latency, inter, dev = _on_axes(colls, cluster, [(cluster.processes, local, 1)])
+    _, mem = _compute_seconds(None, BASELINE, [], n, (p,), compute)
+    return Estimate(None, BASELINE, wire, latency, 0.0, mem, inter, dev, 32.0)
 
 
 def _wire(colls, cluster, nodes, local, groups=1) -> tuple[float, float]:
@@ -744,50 +720,9 @@ def _error_feedback(compute, codec, n, own):
     return kern, compute.memory_seconds(ERROR_FEEDBACK_BYTES * n)
 
 
-def _predict_flat(codec, algorithm, n, cluster, compute, error_feedback) -> Estimate:
-    p, local = cluster.devices, cluster.devices_per_process
-    colls = collectives(codec, algorithm, n, p, None if codec is None else _bits(codec, compute))
-    wire, latency = _wire(colls, cluster, cluster.processes, local)
-    calls = [] if codec is None else kernel_calls(codec, algorithm, n, p)
-    kern, mem = _compute_seconds(codec, algorithm if codec else BASELINE, calls, n, (p,), compute)
-    if error_feedback and codec is not None:
-        # On one device the decoded payload is the value itself.
-        k2, m2 = _error_feedback(compute, codec, n, n if p > 1 else 0)
-        kern, mem = kern + k2, mem + m2
-    inter = sum(_egress(c, cluster.processes, local) for c in colls)
-    dev = sum(device_send_bytes(c, p) for c in colls)
-    bits = 32.0 if codec is None else 8 * _payload_bytes(codec, n, compute) / n
-    name = BASELINE if codec is None else algorithm
-    return Estimate(codec, name, wire, latency, kern, mem, inter, dev, bits)
-
-
 def _payload_bytes(codec: Codec, n: int, compute: Compute | None) -> float:
     bits = _bits(codec, compute)
-    return codec.wire_nbytes((n,), F32) if bits is None else _tier(codec, n, bits)
-
-
-def _predict_hierarchical(codec, n, cluster, compute, error_feedback) -> Estimate:
-    """``jc.psum`` over ``(processes, devices_per_process)``: reduce-scatter
-    over the fast axis, the slow stage (by the ``auto`` rule) on one
-    chunk, every device of a node running its own at once, all-gather over
-    the fast axis (docs/collectives.md)."""
-    nodes, local = cluster.processes, cluster.devices_per_process
-    m = -(-n // local)
-    fast, slow_alg, slow = hierarchical_collectives(codec, n, nodes, local, _bits(codec, compute))
-    w1, a1 = _wire(fast, cluster, 1, local)
-    w2, a2 = _wire(slow, cluster, nodes, 1, groups=local)
-    calls = kernel_calls(codec, slow_alg, m, nodes)
-    kern, mem = _compute_seconds(codec, "hierarchical", calls, n, (nodes, local), compute)
-    if error_feedback:
-        k2, m2 = _error_feedback(compute, codec, n, m)
-        kern, mem = kern + k2, mem + m2
-    inter = local * sum(_egress(c, nodes, 1) for c in slow)
-    dev = sum(device_send_bytes(c, local) for c in fast)
-    dev += sum(device_send_bytes(c, nodes) for c in slow)
-    bits = 8 * _payload_bytes(codec, m, compute) / m
-    return Estimate(
-        codec, f"hierarchical({slow_alg})", w1 + w2, a1 + a2, kern, mem, inter, dev, bits
-    )
+    return codec.wire_nbytes((n,), F32) if bits is None else tier_nbytes(codec, n, F32, bits)
 
 
 # ---------------------------------------------------------------------------
@@ -804,22 +739,26 @@ def default_codecs() -> list[Codec]:
 def candidate_algorithms(
     codec: Codec, cluster: Cluster, only: Sequence[str] | None = None
 ) -> list[str]:
-    """The algorithms ``codec`` can run on ``cluster``: linear codecs
-    ``allreduce``, sparse ones ``sparse``, the others those of
-    :data:`DEFAULT_DENSE` (``only`` may add the ring) unless a second
-    compression is unsafe for them (``jc.collectives.recompression_warning``:
-    TernGrad); and ``hierarchical`` where several processes each have
-    several devices. ``only``: keep just these."""
-    if codec.rate is Rate.LINEAR:
-        algs = ["allreduce"]
-    elif codec.rate is Rate.SPARSE:
-        algs = ["sparse"]
-    else:
-        dense = DEFAULT_DENSE if only is None else ("allgather", "two_phase", "ring")
-        algs = [a for a in dense if recompression_warning(codec, a) is None]
-    if cluster.processes > 1 and cluster.devices_per_process > 1:
-        algs.append("hierarchical")
-    return [a for a in algs if only is None or a in only]
+    """The algorithms ``codec`` can run on ``cluster``: every registered
+    algorithm that is ranked for the codec's rate
+    (``Algorithm.planned_rates``) and by default
+    (``Algorithm.planned_by_default``) or named in ``only``, unless a
+    second compression is unsafe for it
+    (``jc.collectives.recompression_warning``: TernGrad); those of two axes
+    where several processes each have several devices. ``only``: just
+    these."""
+    levels = 2 if cluster.processes > 1 and cluster.devices_per_process > 1 else 1
+    out = []
+    for alg in registered():
+        wanted = alg.planned_by_default if only is None else alg.name in only
+        if (
+            wanted
+            and codec.rate in alg.planned_rates
+            and alg.num_axes <= levels
+            and alg.recompression_warning(codec) is None
+        ):
+            out.append(alg.name)
+    return out
 
 
 def plan(
@@ -922,11 +861,11 @@ def predict_step(
     compressed buckets by ``algorithm="auto"``, then the uncompressed
     leaves' ``lax.pmean``); sum their ``seconds`` for the step's
     communication and codec time."""
+    levels = cluster.processes > 1 and cluster.devices_per_process > 1
+    sizes = (cluster.processes, cluster.devices_per_process) if levels else cluster.devices
     out = []
     for c, m in step_buckets(codec, shapes, **plan_options):
-        alg = BASELINE if c is None else choose_algorithm(c, m, cluster.devices)
-        if c is not None and cluster.processes > 1 and cluster.devices_per_process > 1:
-            alg = "hierarchical"
+        alg = BASELINE if c is None else choose_algorithm(c, m, sizes)
         out.append(predict(c, alg, m, cluster, compute, error_feedback=error_feedback))
     return out
 
@@ -1147,3 +1086,20 @@ def check_table(checks: Sequence[Check], unit: str = "s") -> str:
             f"| {c.label} | {c.measured:.3f} | {c.predicted:.3f} | {100 * c.error:+.0f}% | {claimed} |"
         )
     return "\n".join(lines)
+
+
+def __getattr__(name: str):
+    # Names of earlier releases, derived now from the algorithms' declarations.
+    if name in ("FLAT_ALGORITHMS", "DEFAULT_DENSE"):
+        warnings.warn(
+            f"jaxcomp.planning.{name} is deprecated; every registered algorithm "
+            "(jc.collectives.registered()) declares what the planner needs "
+            "(num_axes, planned_rates, planned_by_default)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        flat = [a for a in registered() if a.num_axes == 1]
+        if name == "DEFAULT_DENSE":
+            flat = [a for a in flat if a.planned_by_default and Rate.FIXED in a.planned_rates]
+        return tuple(a.name for a in flat)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -55,7 +55,8 @@ def test_bytes_are_the_librarys(spec, algorithm, devices):
 
 def test_hierarchical_and_baseline_bytes_are_the_librarys():
     codec, n, nodes, local = jc.codecs.get("qsgd:bits=4"), 3_000_000, 4, 8
-    fast, _, slow = planning.hierarchical_collectives(codec, n, nodes, local)
+    colls = planning.collectives(codec, "hierarchical", n, (nodes, local))
+    slow, fast = ([c for c in colls if c.axis == i] for i in (0, 1))
     got = _device_bytes(fast, local) + _device_bytes(slow, nodes)
     assert got == pytest.approx(jc.collectives.send_nbytes(codec, n, F32, (nodes, local)))
     cluster = planning.Cluster(nodes, local, planning.Link(1e11), planning.Link(1e12))
@@ -92,6 +93,22 @@ def test_kernel_calls_are_the_compiled_programs(spec, algorithm):
     codec = jc.codecs.get(spec)
     traffic = planning.program_traffic(codec, algorithm, (4,), 1 << 16)
     assert traffic.kernel_calls == len(planning.kernel_calls(codec, algorithm, 1 << 16, 4))
+
+
+def test_the_planner_ranks_every_registered_algorithm(monkeypatch):
+    """An algorithm is its file: one registered under a new name is ranked,
+    from what it declares, with nothing added to the planner."""
+    from jaxcomp.collectives import _algorithm, _allgather
+
+    class Copy(_allgather.Allgather):
+        name = "allgather_copy"
+
+    monkeypatch.setitem(_algorithm._REGISTRY, Copy.name, Copy())
+    cluster = planning.Cluster(4, 1, planning.Link(1e9, 1e-4))
+    rows = planning.plan(1 << 22, cluster, codecs=[jc.codecs.get("qsgd:bits=4")])
+    by_alg = {e.algorithm: e for e in rows}
+    assert by_alg["allgather_copy"].seconds == by_alg["allgather"].seconds > 0
+    assert by_alg["allgather_copy"].device_bytes == by_alg["allgather"].device_bytes
 
 
 def _synthetic_compute(platform="gpu"):

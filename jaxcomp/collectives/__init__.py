@@ -29,7 +29,15 @@ from jaxcomp.collectives import _allgather, _two_phase, _ring, _sparse, _allredu
 from jaxcomp.collectives import _hierarchical  # noqa: F401
 # isort: on
 
-from jaxcomp.collectives._algorithm import Algorithm, Context, names, uncompressed_send_nbytes
+from jaxcomp.collectives._algorithm import (
+    Algorithm,
+    Collective,
+    Context,
+    KernelCall,
+    names,
+    registered,
+    uncompressed_send_nbytes,
+)
 from jaxcomp.collectives._allgather import COARSE_ALLGATHER_MAX_DEVICES
 from jaxcomp.collectives._api import (
     Reduced,
@@ -47,7 +55,7 @@ from jaxcomp.collectives._chunks import chunk_len
 from jaxcomp.collectives._exchange import wire_log
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._sparse import static_fits as sparse_is_static
-from jaxcomp.collectives._tiers import tier_capacities
+from jaxcomp.collectives._tiers import tier_capacities, tier_nbytes
 from jaxcomp.collectives._two_phase import PIPELINE_MAX_DEPTH, PIPELINE_MIN_VALUES, pipeline_depth
 
 #: The names ``algorithm=`` takes.
@@ -59,7 +67,9 @@ __all__ = [
     "PIPELINE_MAX_DEPTH",
     "PIPELINE_MIN_VALUES",
     "Algorithm",
+    "Collective",
     "Context",
+    "KernelCall",
     "Reduced",
     "after",
     "choose_algorithm",
@@ -70,11 +80,13 @@ __all__ = [
     "pmean",
     "psum",
     "recompression_warning",
+    "registered",
     "send_nbytes",
     "sparse_is_static",
     "state_positions",
     "state_size",
     "tier_capacities",
+    "tier_nbytes",
     "uncompressed_send_nbytes",
     "wire_log",
 ]

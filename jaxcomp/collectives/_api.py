@@ -178,11 +178,12 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto", stat
     return _all_reduce(x, axis_name, codec, key, algorithm, mean=True, state=state)
 
 
-def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
-    """The rule behind ``algorithm="auto"`` (one axis): what trains best at
-    the fewest bytes, per codec (the table in docs/collectives.md). Each
-    algorithm declares its part (``Algorithm.chosen``); they are asked in
-    this order:
+def choose_algorithm(codec: Codec, n: int, axis_size) -> str:
+    """The rule behind ``algorithm="auto"``: what trains best at the fewest
+    bytes, per codec (the table in docs/collectives.md). ``(slow, fast)``
+    axes take the algorithm of two axes (``hierarchical``); over one axis
+    each algorithm declares its part (``Algorithm.chosen``), and they are
+    asked in this order:
 
     - Linear codecs (``Rate.LINEAR``, e.g. Identity): ``allreduce``, one
       ``psum`` of the payloads.
@@ -204,11 +205,11 @@ def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     Args:
       codec: the codec.
       n: elements of the tensor.
-      axis_size: devices on the axis.
+      axis_size: devices on the axis, or ``(slow, fast)`` sizes.
     Returns:
       The algorithm's name.
     """
-    return _algorithm.choose(codec, n, Axes((axis_size,))).name
+    return _algorithm.choose(codec, n, Axes.of_sizes(axis_size)).name
 
 
 def recompression_warning(codec: Codec, algorithm: str) -> str | None:

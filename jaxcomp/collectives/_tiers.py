@@ -29,6 +29,20 @@ def tier_capacities(codec: Codec, n: int) -> tuple[int, ...]:
     return codec.capacity_tiers(n)
 
 
+def tier_nbytes(codec: Codec, n: int, dtype: Any, bits: float | None) -> int:
+    """The operand bytes of a variable-rate payload of ``n`` values in the
+    capacity tier it travels in (:func:`transfer`): the smallest tier that
+    holds the stream the data needs, ``bits`` per element (None: unknown,
+    the largest tier), plus the payload's other arrays (scale, length),
+    which do not change with the capacity."""
+    tiers = codec.capacity_tiers(n)
+    fixed = codec.wire_nbytes((n,), dtype) - codec.stream_capacity(n)
+    if bits is None:
+        return fixed + tiers[-1]
+    need = bits * n / 8
+    return fixed + next((t for t in tiers if t >= need), tiers[-1])
+
+
 def tier_index(need: jax.Array, caps: tuple[int, ...]) -> jax.Array | int:
     """The index of the smallest of the ascending capacities ``caps`` that
     holds ``need`` bytes (the last one holds anything), for ``lax.switch``."""

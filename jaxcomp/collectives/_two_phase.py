@@ -12,14 +12,14 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.codecs.base import Codec, Rate
-from jaxcomp.collectives._algorithm import Algorithm, Context, register
+from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._chunks import chunk_len, chunked, padded, split
 from jaxcomp.collectives._decode import decode_own, decode_rows, decode_sum
 from jaxcomp.collectives._exchange import exchange
 from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._order import after
-from jaxcomp.collectives._tiers import transfer
+from jaxcomp.collectives._tiers import tier_nbytes, transfer
 from jaxcomp.payload import Payload
 
 # Two-phase may cut a tensor into up to this many segments, each a two-phase
@@ -67,6 +67,7 @@ class TwoPhase(Algorithm):
     name: ClassVar[str] = "two_phase"
     auto_rank: ClassVar[int | None] = 3
     recompresses: ClassVar[bool] = True
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.FIXED, Rate.VARIABLE})
 
     def run(self, ctx, flat, state):
         return self._run(ctx, flat, None, state)
@@ -99,6 +100,26 @@ class TwoPhase(Algorithm):
     def operand_nbytes(self, codec, n, dtype, axes):
         chunk = codec.wire_nbytes((chunk_len(codec, n, axes.size),), dtype)
         return {"all-to-all": axes.size * chunk, "all-gather": chunk}
+
+    def collectives(self, codec, n, dtype, axes, bits=None):
+        """A variable-rate payload travels in the capacity tier a ``pmax``
+        (a 4-byte all-reduce) agreed on, in each phase."""
+        if codec.rate is Rate.VARIABLE:
+            p = axes.size
+            tier = tier_nbytes(codec, chunk_len(codec, n, p), dtype, bits)
+            pmax = Collective("all-reduce", 4)
+            return [pmax, Collective("all-to-all", p * tier), pmax, Collective("all-gather", tier)]
+        return super().collectives(codec, n, dtype, axes, bits)
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        p = axes.size
+        c = chunk_len(codec, n, p)
+        return [
+            KernelCall("encode", p * c, codec),  # the tensor, cut into P chunks
+            KernelCall("decode", p * c, codec),  # the P received pieces of my chunk
+            KernelCall("encode", c, codec),  # my reduced chunk
+            KernelCall("decode", p * c, codec),  # the P gathered chunks
+        ]
 
 
 def _two_phase(ctx: Context, flat: jax.Array, residual, state):
