@@ -99,12 +99,9 @@ def _start_cpu_devices(count: int) -> None:
 def _cluster(args: argparse.Namespace):
     from jaxcomp import planning
 
-    if args.testbed:
-        inter = planning.testbed_link(args.testbed)
-    else:
-        inter = planning.Link(
-            planning.parse_rate(args.bandwidth), planning.parse_seconds(args.latency), args.goodput
-        )
+    inter = planning.Link(
+        planning.parse_rate(args.bandwidth), planning.parse_seconds(args.latency), args.goodput
+    )
     intra = None
     if args.intra_bandwidth:
         intra = planning.Link(
@@ -128,24 +125,6 @@ def _compute(args: argparse.Namespace, codecs):
     )
 
 
-def _plan_check(args: argparse.Namespace) -> int:
-    from jaxcomp import planning
-
-    with open(args.check) as f:
-        rows = json.load(f)
-    cpu = planning.load_compute(args.compute or "benchmarks/results/codecs.json")
-    gpu = planning.load_compute(args.gpu_compute) if args.gpu_compute else None
-    checks = planning.check(rows, cpu, gpu)
-    for table in dict.fromkeys(c.table for c in checks):
-        part = [c for c in checks if c.table == table]
-        unit = "ms" if table == "gpu train step" else "s"
-        print(f"\n{table}:\n")
-        print(planning.check_table(part, unit))
-    claimed = [abs(c.error) for c in checks if c.claimed]
-    print(f"\nclaimed rows: {len(claimed)}, largest error {100 * max(claimed):.0f}%")
-    return 0
-
-
 def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool) -> str:
     intra = cluster.intra
     return (
@@ -166,9 +145,17 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxcomp import codecs as jcc
     from jaxcomp import planning
 
+    if args.testbed or args.check:
+        # The project's test bed is no part of the package.
+        print(
+            "python -m jaxcomp plan: error: --testbed and --check are gone from the package; "
+            "in a checkout of the repository, run python benchmarks/plan_check.py (the test "
+            "bed's links and its measured rows), or describe a link with --bandwidth, "
+            "--latency and --goodput",
+            file=sys.stderr,
+        )
+        return 2
     _start_cpu_devices(planning.TRAFFIC_MAX_DEVICES)
-    if args.check:
-        return _plan_check(args)
     try:  # a unit or a codec spec the user mistyped: one line, not a traceback
         codecs = [jcc.get(s) for s in args.codecs] if args.codecs else planning.default_codecs()
         cluster = _cluster(args)
@@ -223,11 +210,7 @@ def _add_plan_parser(sub) -> None:
         "--intra-bandwidth", help="between the devices of a process, per device (900GB/s)"
     )
     p.add_argument("--intra-latency", default="5us", help="within a process, per message (5us)")
-    p.add_argument(
-        "--testbed",
-        choices=["1gbit", "100mbit"],
-        help="the project's emulated link instead of --bandwidth/--latency (testbed.md)",
-    )
+    p.add_argument("--testbed", help=argparse.SUPPRESS)  # gone: benchmarks/plan_check.py
     p.add_argument(
         "--bucket-mb", type=float, default=64.0, help="MiB of gradient per all-reduce (64)"
     )
@@ -255,8 +238,7 @@ def _add_plan_parser(sub) -> None:
     )
     p.add_argument("--top", type=int, help="print only the best rows")
     p.add_argument("--json", help="also write the rows here")
-    p.add_argument("--check", metavar="ROWS", help="predict measured rows (measured_rows.json)")
-    p.add_argument("--gpu-compute", help="with --check: the GPU bench JSON for the GPU rows")
+    p.add_argument("--check", help=argparse.SUPPRESS)  # gone: benchmarks/plan_check.py
     p.set_defaults(fn=_plan)
 
 
