@@ -217,7 +217,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument(
         "--codecs", nargs="*", help="codec specs (qsgd:bits=4 bf16 ...); default: one of each"
     )
-    p.add_argument("--algorithms", nargs="*", help="only these algorithms (ring: also the ring)")
+    p.add_argument("--algorithms", nargs="*", help="only these algorithms")
     p.add_argument(
         "--min-bits",
         type=float,

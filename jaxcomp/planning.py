@@ -713,18 +713,15 @@ def candidate_algorithms(
 ) -> list[str]:
     """The algorithms ``codec`` can run on ``cluster``: every registered
     algorithm that is ranked for the codec's rate
-    (``Algorithm.planned_rates``) and by default
-    (``Algorithm.planned_by_default``) or named in ``only``, unless a
-    second compression is unsafe for it
-    (``jc.collectives.recompression_warning``: TernGrad); those of two axes
-    where several processes each have several devices. ``only``: just
-    these."""
+    (``Algorithm.planned_rates``), unless a second compression is unsafe
+    for it (``jc.collectives.recompression_warning``: TernGrad); those of
+    two axes where several processes each have several devices. ``only``:
+    just these."""
     levels = 2 if cluster.processes > 1 and cluster.devices_per_process > 1 else 1
     out = []
     for alg in registered():
-        wanted = alg.planned_by_default if only is None else alg.name in only
         if (
-            wanted
+            (only is None or alg.name in only)
             and codec.rate in alg.planned_rates
             and alg.num_axes <= levels
             and alg.recompression_warning(codec) is None
@@ -919,12 +916,12 @@ def __getattr__(name: str):
         warnings.warn(
             f"jaxcomp.planning.{name} is deprecated; every registered algorithm "
             "(jc.collectives.registered()) declares what the planner needs "
-            "(num_axes, planned_rates, planned_by_default)",
+            "(num_axes, planned_rates)",
             DeprecationWarning,
             stacklevel=2,
         )
         flat = [a for a in registered() if a.num_axes == 1]
         if name == "DEFAULT_DENSE":
-            flat = [a for a in flat if a.planned_by_default and Rate.FIXED in a.planned_rates]
+            flat = [a for a in flat if Rate.FIXED in a.planned_rates]
         return tuple(a.name for a in flat)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -92,6 +92,8 @@ class Context:
         None; :func:`~jaxcomp.collectives.after`): set by
         ``compress_gradients`` to the previous bucket's, so that every
         device enters the buckets' collectives in one order.
+      all_to_all: how an all-to-all travels: "auto", "native" or
+        "pairwise" (``jc.psum``'s ``all_to_all``).
       axis: the axis name for ``lax`` collectives (derived from ``axes``).
       size: the devices on the axes (derived from ``axes``).
     """
@@ -101,6 +103,7 @@ class Context:
     key: jax.Array | None
     div: int
     dep: Any = None
+    all_to_all: str = "auto"
     axis: Any = dataclasses.field(init=False)
     size: int = dataclasses.field(init=False)
 
@@ -136,9 +139,6 @@ class Algorithm:
     #: ranks this algorithm for; ``jc.psum`` may run it for others where it
     #: can.
     planned_rates: ClassVar[frozenset[Rate]] = frozenset()
-    #: Whether ``jaxcomp.planning`` ranks it unless asked for algorithms by
-    #: name.
-    planned_by_default: ClassVar[bool] = True
 
     def run(self, ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:
         """The all-reduce of this device's ``flat`` tensor.

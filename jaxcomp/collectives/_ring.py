@@ -37,12 +37,16 @@ class Ring(Algorithm):
     lands in a tensor of another scale; the input is divided by ``div``
     first, so every row is in the result's units, and ``sent`` is the input
     itself. Without one, every step's error is charged to the sender's
-    ``sent`` (one-level error feedback). Never chosen by ``auto``."""
+    ``sent`` (one-level error feedback). Never chosen by ``auto``, which
+    does not know the transport; ranked by ``jaxcomp.planning``."""
 
     name: ClassVar[str] = "ring"
     recompresses: ClassVar[bool] = True
+    # Ranked by the planner, which prices its hops, its P compressions and
+    # XLA:CPU's copy of its accumulator at every hop within 18% of every
+    # measured ring all-reduce (benchmarks/plan_check.py); where the
+    # all-to-all is slow it wins (bf16 at 100 Mbit, docs/collectives.md).
     planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.FIXED, Rate.VARIABLE})
-    planned_by_default: ClassVar[bool] = False
 
     def run(self, ctx, flat, state):
         me = lax.axis_index(ctx.axis)

@@ -228,7 +228,7 @@ def _reduce_scatter_pairs(ctx: Context, p: Payload, c: int, dtype) -> jax.Array:
         def run(_):
             local, v = _route(idx, vals, start, end, c, size, cap, dtype)
             record("all-to-all", (local, v))
-            to_owner = collective("all-to-all", ctx.axis)
+            to_owner = collective("all-to-all", ctx.axis, ctx.all_to_all)
             gi = to_owner(local)
             gv = to_owner(as_bits(v))
             gv = lax.bitcast_convert_type(gv, dtype) if gv.dtype != dtype else gv
