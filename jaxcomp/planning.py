@@ -546,6 +546,11 @@ class Estimate:
       inter_bytes: bytes one process sends to the others.
       device_bytes: bytes one device sends (``jc.collectives.send_nbytes``).
       bits: payload bits per element.
+      method: a training method other than ``compress_gradients`` with the
+        codec (:func:`method_estimates`), "" for the codec rows.
+      compressed_by: the algorithm whose compression this is (a
+        hierarchical row's slow stage), which its accuracy measurement
+        (:func:`measured_loss`) is looked up by.
     """
 
     codec: Codec | None
@@ -557,6 +562,8 @@ class Estimate:
     inter_bytes: float
     device_bytes: float
     bits: float
+    method: str = ""
+    compressed_by: str = ""
 
     @property
     def seconds(self) -> float:
@@ -564,7 +571,14 @@ class Estimate:
 
     @property
     def name(self) -> str:
+        if self.method:
+            return self.method
         return "float32" if self.codec is None else self.codec.spec
+
+    @property
+    def baseline(self) -> bool:
+        """Whether this is an uncompressed all-reduce of float32."""
+        return self.codec is None and not self.method
 
 
 def _bits(codec: Codec, compute: Compute | None) -> float | None:
@@ -635,7 +649,8 @@ def predict(
         kern, mem = kern + k2, mem + m2
     bits = 8 * _payload_bytes(codec, own, compute) / own
     label = alg.label(codec, n, axes)
-    return Estimate(codec, label, wire, latency, kern, mem, inter, dev, bits)
+    by = alg.compressor(codec, n, axes).name
+    return Estimate(codec, label, wire, latency, kern, mem, inter, dev, bits, compressed_by=by)
 
 
 def _axes(cluster: Cluster, num_axes: int) -> tuple[Axes, list[tuple[int, int, int]]]:
@@ -740,9 +755,12 @@ def plan(
     error_feedback: bool = True,
     bucket: int | None = None,
     min_bits: float = 0.0,
+    methods: Methods | None = None,
 ) -> list[Estimate]:
-    """Every codec x algorithm, predicted and ranked, fastest first, with
-    ``lax.psum``'s row among them.
+    """Every codec x algorithm, and the other training methods, predicted
+    and ranked, fastest first, with the float32 baselines among them:
+    ``lax.psum``'s row and, where the cluster has a fast level, the
+    hierarchical all-reduce of float32.
 
     Args:
       n: gradient values per device (the model's parameters).
@@ -759,6 +777,8 @@ def plan(
       min_bits: leave out codecs of fewer payload bits per element (their
         static size; 8 keeps the codecs that train with Adam as float32
         does, docs/training.md).
+      methods: the other methods' options (:class:`Methods`); None: their
+        defaults. Left out where ``algorithms`` is given.
     Returns:
       Estimates sorted by predicted seconds (ties by name, so the order
       is deterministic).
@@ -766,17 +786,212 @@ def plan(
     k = 1 if not bucket or n <= bucket else -(-n // bucket)
     m = -(-n // k)
     rows = [predict(None, BASELINE, m, cluster, compute)]
+    if _two_levels(cluster):
+        rows.append(_uncompressed_hierarchical(m, cluster, compute))
     for codec in default_codecs() if codecs is None else codecs:
         if codec.bits_per_element() < min_bits:
             continue
         for alg in candidate_algorithms(codec, cluster, algorithms):
             rows.append(predict(codec, alg, m, cluster, compute, error_feedback=error_feedback))
     rows = [times(e, k) for e in rows]
+    if algorithms is None:
+        rows += method_estimates(n, k, cluster, compute, methods or Methods(n))
     return sorted(rows, key=lambda e: (e.seconds, e.name, e.algorithm))
 
 
-def times(e: Estimate, k: int) -> Estimate:
-    """``k`` all-reduces like ``e``, one after the other."""
+def _two_levels(cluster: Cluster) -> bool:
+    return cluster.processes > 1 and cluster.devices_per_process > 1
+
+
+def _uncompressed_hierarchical(n: int, cluster: Cluster, compute: Compute | None) -> Estimate:
+    """The best uncompressed all-reduce where processes have several
+    devices: float32 over the fast level, float32 ``psum`` of a chunk over
+    the slow one (the algorithm of two axes with the Identity codec)."""
+    from jaxcomp.codecs import Identity
+
+    sizes = (cluster.processes, cluster.devices_per_process)
+    e = predict(Identity(), choose_algorithm(Identity(), n, sizes), n, cluster, compute)
+    return dataclasses.replace(e, codec=None, compressed_by="")
+
+
+# ---------------------------------------------------------------------------
+# The other methods: PowerSGD, 1-bit Adam, DiLoCo
+# ---------------------------------------------------------------------------
+def default_width(n: int) -> int:
+    """The hidden size of a transformer of ``n`` parameters whose width is
+    100 times its depth (``12 L d^2`` parameters: GPT-2, GPT-3 and Llama
+    are within 2x of that ratio), rounded to a multiple of 64: 1B gives
+    2048, 7B 3968, 100M 960."""
+    return max(64, 64 * round((100 * n / 12) ** (1 / 3) / 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Methods:
+    """What the rows of the methods other than ``compress_gradients``
+    assume.
+
+    Attributes:
+      n: the model's parameters.
+      width: its hidden size: PowerSGD's factors of a transformer layer's
+        ``12 d^2`` values (four ``d x d`` and two ``d x 4d`` matrices) are
+        ``18 d r`` values. Default :func:`default_width`.
+      powersgd_rank: PowerSGD's rank r.
+      sync_every: DiLoCo's inner steps per synchronization (the paper's
+        500): its rows are one synchronization divided by them, the
+        communication per step.
+      onebit_adam_codec: ``jc.optax.onebit_adam``'s default codec.
+      diloco_codec: the codec of the compressed DiLoCo row (the DiLoCo
+        papers quantize the outer gradients to 8 or 4 bits).
+    """
+
+    n: int
+    width: int | None = None
+    powersgd_rank: int = 4
+    sync_every: int = 500
+    onebit_adam_codec: Codec | None = None
+    diloco_codec: Codec | None = None
+
+    def __post_init__(self):
+        from jaxcomp import codecs
+
+        defaults = {
+            "width": self.width or default_width(self.n),
+            "onebit_adam_codec": self.onebit_adam_codec or codecs.OneBit(bucket_size=256),
+            "diloco_codec": self.diloco_codec or codecs.Int8(),
+        }
+        for name, value in defaults.items():
+            object.__setattr__(self, name, value)
+        for name in ("width", "powersgd_rank", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"jaxcomp.planning: {name} must be >= 1, got {getattr(self, name)}"
+                )
+
+    @property
+    def codecs(self) -> tuple[Codec, ...]:
+        """The codecs these rows run, whose compute figures they need."""
+        return (self.onebit_adam_codec, self.diloco_codec)
+
+
+def method_estimates(
+    n: int, k: int, cluster: Cluster, compute: Compute | None, methods: Methods
+) -> list[Estimate]:
+    """The rows of PowerSGD, 1-bit Adam and DiLoCo for ``n`` gradient values
+    sent as ``k`` buckets (their communication per training step).
+
+    - ``jc.optax.powersgd``: the factors in two float32 all-reduces of all
+      the matrices (``powersgd_rank``, :attr:`Methods.width`), plus its
+      passes over the gradient (the two products read it, the residual's
+      error feedback); the small leaves it leaves exact are not counted.
+      Where processes have several devices it averages over the fast level
+      exactly first, and every device then all-reduces the factors over the
+      slow one.
+    - ``jc.optax.onebit_adam``: after its warm-up, its momentum goes as
+      ``compress_gradients`` sends a gradient with its codec (by ``auto``).
+    - ``jc.optax.diloco``: one float32 all-reduce (or one of the codec's,
+      without error feedback) every ``sync_every`` steps, per step.
+    Rows whose codec has no compute figures in ``compute`` are left out.
+    """
+    m = -(-n // k)
+    sizes = (cluster.processes, cluster.devices_per_process) if _two_levels(cluster) else None
+    out = [_powersgd(n, cluster, compute, methods)]
+    codec = methods.onebit_adam_codec
+    if _has_figures(codec, compute):
+        alg = choose_algorithm(codec, m, sizes or cluster.devices)
+        e = times(predict(codec, alg, m, cluster, compute, error_feedback=True), k)
+        out.append(dataclasses.replace(e, method=f"onebit_adam({codec.spec})"))
+    h = methods.sync_every
+    sync = times(predict(None, BASELINE, m, cluster, compute), k)
+    out.append(dataclasses.replace(times(sync, 1 / h), method=f"diloco:sync_every={h}"))
+    codec = methods.diloco_codec
+    if _has_figures(codec, compute):
+        alg = choose_algorithm(codec, m, sizes or cluster.devices)
+        e = times(predict(codec, alg, m, cluster, compute), k / h)
+        out.append(dataclasses.replace(e, method=f"diloco:sync_every={h},codec={codec.spec}"))
+    return out
+
+
+def _has_figures(codec: Codec, compute: Compute | None) -> bool:
+    return compute is None or repr(codec) in compute.kernels
+
+
+# The algorithm label of PowerSGD's rows, as the accuracy study names it.
+LOW_RANK = "low-rank pmean"
+
+
+def _powersgd(n: int, cluster: Cluster, compute: Compute | None, methods: Methods) -> Estimate:
+    r, d = methods.powersgd_rank, methods.width
+    factors = n * 1.5 * r / d  # 18 d r factor values per 12 d^2 gradient values
+    half = Collective("all-reduce", 2 * factors)  # the P's, then the Q's, float32
+    if _two_levels(cluster):
+        exact = Collective("all-reduce", 4 * n, axis=1)
+        colls, num_axes, label = [exact, half, half], 2, f"{LOW_RANK}, exact within a process"
+    else:
+        colls, num_axes, label = [half, half], 1, LOW_RANK
+    _, spans = _axes(cluster, num_axes)
+    wire, latency, inter, dev = _on_axes(colls, cluster, spans)
+    mem = 0.0 if compute is None else compute.memory_seconds((8 + ERROR_FEEDBACK_BYTES) * n)
+    name = f"powersgd:rank={r}"
+    bits = 32 * factors / n
+    return Estimate(None, label, wire, latency, 0.0, mem, inter, dev, bits, name, LOW_RANK)
+
+
+# ---------------------------------------------------------------------------
+# What the accuracy study measured (docs/accuracy.md)
+# ---------------------------------------------------------------------------
+def _normalized(method: str) -> str:
+    """A method key of ``jaxcomp._accuracy`` with its codec spec as
+    ``Codec.spec`` writes it."""
+    from jaxcomp import codecs
+
+    if method.startswith("onebit_adam("):
+        return f"onebit_adam({codecs.get(method[len('onebit_adam(') : -1]).spec})"
+    if method.startswith("powersgd:"):
+        return method
+    return codecs.get(method).spec
+
+
+@functools.cache
+def _measured() -> tuple[dict, dict]:
+    from jaxcomp import _accuracy
+
+    return tuple(
+        {(_normalized(m), alg): v for (m, alg), v in table.items()}
+        for table in (_accuracy.SGD, _accuracy.ADAM)
+    )
+
+
+NOT_MEASURED = "not measured"
+
+
+def measured_loss(e: Estimate) -> tuple[float | str | None, float | str | None]:
+    """What the accuracy study (docs/accuracy.md) measured for ``e``'s
+    method with its algorithm (a hierarchical row: its slow stage's), with
+    SGD and with Adam: the held-out loss's change against float32 in
+    percent, None where the run diverged, or :data:`NOT_MEASURED`. The
+    float32 rows are the reference, 0."""
+    if e.baseline:
+        return 0.0, 0.0
+    key = (e.name, e.compressed_by)
+    sgd, adam = _measured()
+    return sgd.get(key, NOT_MEASURED), adam.get(key, NOT_MEASURED)
+
+
+def accuracy_class(loss: float | str | None) -> str:
+    """A measured change of the held-out loss as a class: "parity" up to
+    +1%, "close" up to +5%, "loses" beyond, "diverged", or "not
+    measured"."""
+    if loss == NOT_MEASURED:
+        return NOT_MEASURED
+    if loss is None:
+        return "diverged"
+    word = "parity" if loss <= 1 else "close" if loss <= 5 else "loses"
+    return f"{word} ({loss:+.1f}%)"
+
+
+def times(e: Estimate, k: float) -> Estimate:
+    """``k`` all-reduces like ``e``, one after the other (a fraction: one
+    every ``1 / k`` steps, per step)."""
     if k == 1:
         return e
     return dataclasses.replace(
@@ -892,20 +1107,25 @@ def _fmt_s(t: float) -> str:
 
 def table(rows: Sequence[Estimate], top: int | None = None) -> str:
     """A markdown table of ranked estimates, with the speedup over the
-    ``lax.psum`` row; ``top``: the best rows only, and ``lax.psum``'s."""
-    base = next(e.seconds for e in rows if e.codec is None)
+    fastest float32 row and what the accuracy study measured
+    (:func:`measured_loss`); ``top``: the best rows only, and the float32
+    ones."""
+    base = min(e.seconds for e in rows if e.baseline)
     lines = [
         "| rank | codec | algorithm | bits/elt | GB out per process | wire | latency "
-        "| codec kernels | memory | total | vs lax.psum |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| codec kernels | memory | total | vs best float32 | held-out loss, SGD "
+        "| held-out loss, Adam |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, e in enumerate(rows, 1):
-        if top is not None and i > top and e.codec is not None:
+        if top is not None and i > top and not e.baseline:
             continue
+        sgd, adam = (accuracy_class(v) for v in measured_loss(e))
         lines.append(
             f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {e.inter_bytes / 1e9:.3f} "
             f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
-            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x |"
+            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x "
+            f"| {sgd} | {adam} |"
         )
     return "\n".join(lines)
 

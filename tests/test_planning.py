@@ -132,7 +132,11 @@ def test_ranking_is_deterministic_and_sorted():
         (e.name, e.algorithm, e.seconds) for e in b
     ]
     assert [e.seconds for e in a] == sorted(e.seconds for e in a)
-    assert sum(e.codec is None for e in a) == 1
+    # lax.psum's and, with a fast level, the hierarchical float32 all-reduce
+    assert sorted(e.algorithm.split("(")[0] for e in a if e.baseline) == [
+        "hierarchical",
+        "lax.psum",
+    ]
     algs = {e.algorithm for e in a}
     assert any(alg.startswith("hierarchical(") for alg in algs)
     # TernGrad is never ranked where a second compression diverges.
@@ -141,10 +145,13 @@ def test_ranking_is_deterministic_and_sorted():
 
 def test_compression_wins_on_a_slow_link_and_not_on_a_fast_one():
     compute = _synthetic_compute()
-    slow = planning.plan(1 << 24, planning.Cluster(4, 1, planning.Link(1e8)), compute)
-    fast = planning.plan(1 << 24, planning.Cluster(4, 1, planning.Link(1e15)), compute)
-    assert slow[0].codec is not None
-    assert fast[0].codec is None
+
+    def ranked(link):
+        rows = planning.plan(1 << 24, planning.Cluster(4, 1, link), compute)
+        return [e for e in rows if not e.method]  # the codecs and lax.psum
+
+    assert ranked(planning.Link(1e8))[0].codec is not None
+    assert ranked(planning.Link(1e15))[0].codec is None
 
 
 def test_units():
@@ -228,8 +235,93 @@ def test_the_ring_is_ranked_and_wins_where_it_was_measured_to(plan_check):
     def best(rate):
         cluster = planning.Cluster(4, 1, plan_check.testbed_link(rate))
         rows = planning.plan(1 << 24, cluster, cpu, codecs=[jc.codecs.get("bf16")], bucket=None)
-        return [e.algorithm for e in rows if e.codec is not None]
+        return [e.algorithm for e in rows if e.codec is not None and not e.method]
 
     assert best("100mbit")[0] == "ring"
     assert best("1gbit")[0] == "two_phase" and "ring" in best("1gbit")
 
+
+def test_every_method_is_ranked_with_what_the_study_measured():
+    """The cross-datacenter case: PowerSGD, 1-bit Adam and DiLoCo are
+    ranked beside the codecs, each row with the accuracy study's result
+    with SGD and with Adam (or none)."""
+    cluster = planning.Cluster(16, 1, planning.Link(1e9, 10e-3))
+    rows = planning.plan(1_000_000_000, cluster, bucket=1 << 24)
+    by_name = {(e.name, e.algorithm): e for e in rows}
+    names = {e.name for e in rows}
+    assert {"powersgd:rank=4", "onebit_adam(onebit:bucket_size=256)"} <= names
+    assert {"diloco:sync_every=500", "diloco:sync_every=500,codec=int8:bucket_size=512"} <= names
+    assert planning.measured_loss(by_name["powersgd:rank=4", "low-rank pmean"]) == (
+        3.43,
+        planning.NOT_MEASURED,
+    )
+    qsgd = by_name["qsgd:bits=4,bucket_size=512,norm=max", "two_phase"]
+    assert planning.measured_loss(qsgd) == (-0.1, 3.47)
+    assert planning.accuracy_class(3.47) == "close (+3.5%)"
+    assert planning.accuracy_class(None) == "diverged"
+    # DiLoCo: one float32 exchange every 500 steps, per step.
+    psum = by_name["float32", planning.BASELINE]
+    diloco = by_name["diloco:sync_every=500", planning.BASELINE]
+    assert diloco.seconds == pytest.approx(psum.seconds / 500)
+    text = planning.table(rows)
+    assert "| close (+3.4%) | not measured |" in text  # PowerSGD's row
+
+
+def test_powersgd_bytes_are_the_librarys():
+    """The planner's PowerSGD factors of a transformer of width d are what
+    jc.optax.powersgd's plan makes of a layer's matrices."""
+    import jax
+
+    from jaxcomp.optax import _powersgd
+
+    d, r, layers, p = 256, 4, 3, 8
+    shapes = [(d, d)] * 4 + [(d, 4 * d), (4 * d, d)]
+    tree = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes * layers]
+    factor_bytes, _, _ = _powersgd._payloads(_powersgd.make_low_rank_plan(tree, r, 2.0))
+    n = 12 * d * d * layers
+    methods = planning.Methods(n, d, powersgd_rank=r)
+    e = planning._powersgd(n, planning.Cluster(p, 1, planning.Link(1e9)), None, methods)
+    assert e.device_bytes == pytest.approx(jc.collectives.uncompressed_send_nbytes(factor_bytes, p))
+    assert planning.default_width(1_000_000_000) == 2048
+
+
+def test_a_fast_level_gives_a_hierarchical_float32_baseline():
+    n, nodes, local = 1 << 24, 4, 8
+    cluster = planning.Cluster(nodes, local, planning.Link(1e10, 5e-5), planning.Link(1e12))
+    rows = planning.plan(n, cluster, bucket=None)
+    (hier,) = [e for e in rows if e.baseline and e.algorithm != planning.BASELINE]
+    assert hier.bits == 32.0
+    identity = jc.codecs.Identity()
+    want = jc.collectives.send_nbytes(identity, n, F32, (nodes, local))
+    assert hier.device_bytes == pytest.approx(want)
+    best = min(e.seconds for e in rows if e.baseline)
+    (psum,) = [e for e in rows if e.baseline and e.algorithm == planning.BASELINE]
+    assert best == hier.seconds < psum.seconds
+    assert f"| {1:.2f}x |" in planning.table(rows).splitlines()[2 + rows.index(hier)]
+    # A hierarchical codec row carries its slow stage's measurement.
+    (h,) = [e for e in rows if e.name.startswith("qsgd:bits=4") and e.algorithm.startswith("hier")]
+    assert h.compressed_by == "two_phase" and planning.measured_loss(h) == (-0.1, 3.47)
+
+
+def test_the_measured_losses_are_the_studys():
+    """jaxcomp._accuracy holds the accuracy study's results (the rows of
+    docs/accuracy.md) as benchmarks/results stores them."""
+    import math
+
+    from jaxcomp import _accuracy
+
+    def value(v, diverged=False):
+        return None if diverged or v is None or math.isnan(v) else round(v, 2)
+
+    teacher = json.loads((RESULTS / "accuracy.json").read_text())["teacher"]["summary"]
+    sgd = {}
+    for r in teacher:
+        if r["codec"] != "float32" and r["error_feedback"] and r["two_level"]:
+            sgd.setdefault((r["codec"], r["resolved_algorithm"]), value(r["loss_diff_pct"]))
+    assert _accuracy.SGD == sgd
+    adam = {}
+    for r in json.loads((RESULTS / "adam.json").read_text())["summary"]:
+        if r["codec"] != "float32":
+            m = r["codec"] if r["optimizer"] == "adamw" else f"{r['optimizer']}({r['codec']})"
+            adam[m, r["algorithm"]] = value(r["diff_pct"], r["diverged"])
+    assert _accuracy.ADAM == adam

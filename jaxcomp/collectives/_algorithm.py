@@ -241,6 +241,11 @@ class Algorithm:
         """How a table of algorithms names this one for ``n`` values."""
         return self.name
 
+    def compressor(self, codec: Codec, n: int, axes: Axes) -> Algorithm:
+        """The algorithm whose compression of ``n`` values this is (what an
+        accuracy measurement of the codec with it holds for): itself."""
+        return self
+
     def recompression_warning(self, codec: Codec) -> str | None:
         """Why ``codec`` should not be trained with error feedback through
         this algorithm, or None."""

@@ -127,8 +127,12 @@ class Hierarchical(Algorithm):
 
     def label(self, codec, n, axes):
         """With the slow stage's algorithm: "hierarchical(two_phase)"."""
-        slow = _algorithm.choose(codec, _chunk(n, axes), axes.slow)
-        return f"{self.name}({slow.name})"
+        return f"{self.name}({self.compressor(codec, n, axes).name})"
+
+    def compressor(self, codec, n, axes):
+        """The slow stage's algorithm, which compresses the node-summed
+        chunks (the fast stage is float32)."""
+        return _algorithm.choose(codec, _chunk(n, axes), axes.slow)
 
 
 def _chunk(n: int, axes) -> int:
