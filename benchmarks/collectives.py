@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import pathlib
@@ -49,16 +48,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- collectives:begin -->", "<!-- collectives:end -->"
 BRIDGE_NS = "jcbr"
 SUBNET = "10.77.0"
-# Two-phase pipelined in 4 segments (PIPELINE_MAX_DEPTH = 4; the default, 1,
-# is one segment: the decodes and encodes in sequence with the transfers).
-PIPELINED = "two_phase, 4 segments"
 # (codec name, params, algorithm)
 CASES = [
     ("threelc", {"sparsity": 1.0}, "two_phase"),
     ("threelc", {"sparsity": 1.0}, "allgather"),
     ("topk", {"fraction": 0.01}, "sparse"),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "two_phase"),
-    ("qsgd", {"bits": 4, "bucket_size": 512}, PIPELINED),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "allgather"),
     ("qsgd", {"bits": 4, "bucket_size": 512}, "ring"),
     ("qsgd", {"bits": 8, "bucket_size": 512}, "two_phase"),
@@ -261,7 +256,6 @@ def worker(args: argparse.Namespace) -> None:
     mesh = join(args, "data")
 
     import jaxcomp as jc
-    from jaxcomp.collectives import _two_phase
 
     if not args.twins and not jc.cpu_available():
         raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
@@ -299,15 +293,11 @@ def worker(args: argparse.Namespace) -> None:
         codec = jc.codecs.get(name, **params)
 
         def f(x, k, c=codec, a=alg):
-            return jc.psum(x[0], "data", c, key=k, algorithm=a).value[None]
+            r = jc.psum(x[0], "data", c, key=k, algorithm=a, all_to_all=args.all_to_all)
+            return r.value[None]
 
         case = f"{name}|{json.dumps(params)}|{alg}"
-        if alg == PIPELINED:
-            f = functools.partial(f, a="two_phase")
-            pipeline, _two_phase.PIPELINE_MAX_DEPTH = _two_phase.PIPELINE_MAX_DEPTH, 4
         rows[case] = timed(shard(f))  # compiled at its first call
-        if alg == PIPELINED:
-            _two_phase.PIPELINE_MAX_DEPTH = pipeline
         # The bytes this process handed to each collective, as the program
         # ran (capacity tiers follow the data): one more call, logged.
         with jc.collectives.wire_log() as log:
@@ -382,7 +372,14 @@ def step_rows(args, mesh, local, timed_steps) -> dict[str, list[float]]:
         def bare(p, s, g, c=codec, a=alg):
             key = jax.random.key(0)
             mean = {
-                k: jc.pmean(g[k], "data", c, key=jax.random.fold_in(key, i), algorithm=a).value
+                k: jc.pmean(
+                    g[k],
+                    "data",
+                    c,
+                    key=jax.random.fold_in(key, i),
+                    algorithm=a,
+                    all_to_all=args.all_to_all,
+                ).value
                 for i, k in enumerate(names)
             }
             return sgd.update(mean, s, p)
@@ -426,6 +423,7 @@ def launch(
             "--out",
             str(tmp / f"{i}.json"),
         ]
+        cmd += ["--all-to-all", args.all_to_all]
         if args.twins:
             cmd.append("--twins")
         if args.steps:
@@ -554,6 +552,13 @@ def main() -> int:
         help="time the pure-JAX twins (JAXCOMP_BACKEND=xla) instead of the kernels",
     )
     ap.add_argument(
+        "--all-to-all",
+        default="auto",
+        choices=["auto", "native", "pairwise"],
+        help="how the jc.psum / bare jc.pmean rows run the all-to-all (jc.psum's all_to_all; "
+        "compress_gradients keeps 'auto')",
+    )
+    ap.add_argument(
         "--steps",
         action="store_true",
         help="time the optimizer step (plain, bare jc.pmean, full compress_gradients) "
@@ -614,9 +619,7 @@ def main() -> int:
                 name, params, alg = key.split("|")
                 codec = jc.codecs.get(name, **json.loads(params))
                 kinds = wire[key]
-                bound = jc.collectives.operand_nbytes(
-                    codec, (n,), jnp.float32, procs, "two_phase" if alg == PIPELINED else alg
-                )
+                bound = jc.collectives.operand_nbytes(codec, (n,), jnp.float32, procs, alg)
                 if codec.name != "threelc" and alg != "sparse":
                     assert kinds == bound, (key, kinds, bound)  # fixed rate: as accounted
                 table.append(

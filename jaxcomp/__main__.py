@@ -99,12 +99,9 @@ def _start_cpu_devices(count: int) -> None:
 def _cluster(args: argparse.Namespace):
     from jaxcomp import planning
 
-    if args.testbed:
-        inter = planning.testbed_link(args.testbed)
-    else:
-        inter = planning.Link(
-            planning.parse_rate(args.bandwidth), planning.parse_seconds(args.latency), args.goodput
-        )
+    inter = planning.Link(
+        planning.parse_rate(args.bandwidth), planning.parse_seconds(args.latency), args.goodput
+    )
     intra = None
     if args.intra_bandwidth:
         intra = planning.Link(
@@ -113,7 +110,7 @@ def _cluster(args: argparse.Namespace):
     return planning.Cluster(args.processes, args.devices_per_process, inter, intra)
 
 
-def _compute(args: argparse.Namespace, codecs):
+def _compute(args: argparse.Namespace, codecs, methods):
     from jaxcomp import planning
     from jaxcomp.codecs.base import Rate
 
@@ -123,30 +120,14 @@ def _compute(args: argparse.Namespace, codecs):
         return planning.load_compute(args.compute, share=args.cpu_share)
     # The sparse codecs' dense stage runs its value codec's kernels too.
     nested = [c.value_codec for c in codecs if c.rate is Rate.SPARSE and c.value_codec is not None]
+    # The other methods' codecs (1-bit Adam's, DiLoCo's) are measured too.
+    extra = [c for c in methods.codecs if c not in codecs] if not args.algorithms else []
     return planning.measure_compute(
-        [*codecs, *nested], 1 << args.compute_size, share=args.cpu_share
+        [*codecs, *nested, *extra], 1 << args.compute_size, share=args.cpu_share
     )
 
 
-def _plan_check(args: argparse.Namespace) -> int:
-    from jaxcomp import planning
-
-    with open(args.check) as f:
-        rows = json.load(f)
-    cpu = planning.load_compute(args.compute or "benchmarks/results/codecs.json")
-    gpu = planning.load_compute(args.gpu_compute) if args.gpu_compute else None
-    checks = planning.check(rows, cpu, gpu)
-    for table in dict.fromkeys(c.table for c in checks):
-        part = [c for c in checks if c.table == table]
-        unit = "ms" if table == "gpu train step" else "s"
-        print(f"\n{table}:\n")
-        print(planning.check_table(part, unit))
-    claimed = [abs(c.error) for c in checks if c.claimed]
-    print(f"\nclaimed rows: {len(claimed)}, largest error {100 * max(claimed):.0f}%")
-    return 0
-
-
-def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool) -> str:
+def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool, methods) -> str:
     intra = cluster.intra
     return (
         f"{n:,} float32 gradient values per device in {k} all-reduce(s); "
@@ -158,7 +139,16 @@ def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool) -> str:
             else ""
         )
         + f"\ncompute: {compute.source + f', share {compute.share:g}' if compute else 'left out'}"
-        + f"\nerror feedback: {'counted' if error_feedback else 'left out'}\n"
+        + f"\nerror feedback: {'counted' if error_feedback else 'left out'}"
+        + (
+            f"\nother methods: PowerSGD's factors for a transformer of width {methods.width} "
+            f"(--width); DiLoCo: one exchange every {methods.sync_every} steps, per step "
+            "(--sync-every); 1-bit Adam after its warm-up"
+            if methods
+            else ""
+        )
+        + "\nheld-out loss: its change against float32 in the accuracy study "
+        "(docs/accuracy.md), SGD on an MLP, AdamW or 1-bit Adam on a transformer LM\n"
     )
 
 
@@ -166,18 +156,29 @@ def _plan(args: argparse.Namespace) -> int:
     from jaxcomp import codecs as jcc
     from jaxcomp import planning
 
+    if args.testbed or args.check:
+        # The project's test bed is no part of the package.
+        print(
+            "python -m jaxcomp plan: error: --testbed and --check are gone from the package; "
+            "in a checkout of the repository, run python benchmarks/plan_check.py (the test "
+            "bed's links and its measured rows), or describe a link with --bandwidth, "
+            "--latency and --goodput",
+            file=sys.stderr,
+        )
+        return 2
     _start_cpu_devices(planning.TRAFFIC_MAX_DEVICES)
-    if args.check:
-        return _plan_check(args)
     try:  # a unit or a codec spec the user mistyped: one line, not a traceback
         codecs = [jcc.get(s) for s in args.codecs] if args.codecs else planning.default_codecs()
         cluster = _cluster(args)
         n = planning.parse_count(args.params)
+        methods = planning.Methods(
+            n, args.width, powersgd_rank=args.powersgd_rank, sync_every=args.sync_every
+        )
     except (ValueError, TypeError) as e:
         print(f"python -m jaxcomp plan: error: {e}", file=sys.stderr)
         return 2
     codecs = [c for c in codecs if c.bits_per_element() >= args.min_bits]
-    compute = _compute(args, codecs)
+    compute = _compute(args, codecs, methods)
     bucket = max(1, int(args.bucket_mb * (1 << 20)) // 4) if args.bucket_mb else None
     ef = not args.no_error_feedback
     rows = planning.plan(
@@ -188,16 +189,29 @@ def _plan(args: argparse.Namespace) -> int:
         algorithms=args.algorithms,
         error_feedback=ef,
         bucket=bucket,
+        methods=methods,
     )
     k = 1 if not bucket or n <= bucket else -(-n // bucket)
-    print(_plan_header(n, k, cluster, compute, ef))
+    print(_plan_header(n, k, cluster, compute, ef, None if args.algorithms else methods))
     print(planning.table(rows, args.top))
+    if compute is not None and not args.algorithms:
+        for c in methods.codecs:
+            if repr(c) not in compute.kernels:
+                print(f"\nleft out: the rows of {c.spec} (no compute figures in {compute.source})")
     if args.json:
         with open(args.json, "w") as f:
-            out = [{**dataclasses.asdict(e), "codec": e.name, "seconds": e.seconds} for e in rows]
+            out = [_json_row(e) for e in rows]
             json.dump(out, f, indent=1)
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _json_row(e) -> dict:
+    from jaxcomp import planning
+
+    row = {**dataclasses.asdict(e), "codec": e.name, "seconds": e.seconds}
+    sgd, adam = planning.measured_loss(e)
+    return {**row, "held_out_loss_sgd": sgd, "held_out_loss_adam": adam}
 
 
 def _add_plan_parser(sub) -> None:
@@ -223,18 +237,14 @@ def _add_plan_parser(sub) -> None:
         "--intra-bandwidth", help="between the devices of a process, per device (900GB/s)"
     )
     p.add_argument("--intra-latency", default="5us", help="within a process, per message (5us)")
-    p.add_argument(
-        "--testbed",
-        choices=["1gbit", "100mbit"],
-        help="the project's emulated link instead of --bandwidth/--latency (testbed.md)",
-    )
+    p.add_argument("--testbed", help=argparse.SUPPRESS)  # gone: benchmarks/plan_check.py
     p.add_argument(
         "--bucket-mb", type=float, default=64.0, help="MiB of gradient per all-reduce (64)"
     )
     p.add_argument(
         "--codecs", nargs="*", help="codec specs (qsgd:bits=4 bf16 ...); default: one of each"
     )
-    p.add_argument("--algorithms", nargs="*", help="only these algorithms (ring: also the ring)")
+    p.add_argument("--algorithms", nargs="*", help="only these algorithms")
     p.add_argument(
         "--min-bits",
         type=float,
@@ -253,10 +263,19 @@ def _add_plan_parser(sub) -> None:
         default=1.0,
         help="how many times slower than measured the compute runs (processes sharing the cores)",
     )
+    p.add_argument(
+        "--width",
+        type=int,
+        help="the model's hidden size, for PowerSGD's factors (default: from --params, "
+        "a transformer 100 times as wide as deep)",
+    )
+    p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank (4)")
+    p.add_argument(
+        "--sync-every", type=int, default=500, help="DiLoCo's steps per synchronization (500)"
+    )
     p.add_argument("--top", type=int, help="print only the best rows")
     p.add_argument("--json", help="also write the rows here")
-    p.add_argument("--check", metavar="ROWS", help="predict measured rows (measured_rows.json)")
-    p.add_argument("--gpu-compute", help="with --check: the GPU bench JSON for the GPU rows")
+    p.add_argument("--check", help=argparse.SUPPRESS)  # gone: benchmarks/plan_check.py
     p.set_defaults(fn=_plan)
 
 

@@ -9,14 +9,16 @@ it predicts the time of every codec x algorithm and ranks them against
 - **the wire**: the alpha-beta model (Hockney 1994; for the collectives,
   Thakur, Rabenseifner and Gropp 2005): every collective costs its rounds
   times the link's latency plus its bytes over the bandwidth. The bytes are
-  the library's own accounting (``jc.collectives.operand_nbytes``, the
-  codecs' ``wire_nbytes`` and ``capacity_tiers``, the rules of
-  ``jc.collectives.send_nbytes``), not derived again here. Where several
+  library's own accounting: every registered algorithm declares its
+  collectives and their bytes (``jc.collectives.Algorithm.collectives``,
+  from the codecs' ``wire_nbytes`` and ``capacity_tiers``), not derived
+  again here. Where several
   devices of one process (node) reach other nodes over one link, that
   link carries the node's share of every collective (below, ``_egress``);
 - **the codec's kernels**: the encodes and decodes the algorithm runs
-  (one line per algorithm in ``kernel_calls``, matching the compiled
-  program: tests/test_planning.py counts the custom calls), at the
+  (as it declares them, ``jc.collectives.Algorithm.kernel_calls``,
+  matching the compiled program: tests/test_planning.py counts the custom
+  calls), at the
   per-element cost measured by ``jaxcomp._bench`` (``python -m jaxcomp
   bench``) on this machine or read from a stored run;
 - **memory passes** (CPU): XLA's own count of the bytes the program's other
@@ -40,21 +42,23 @@ import functools
 import json
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
+from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.collectives import (
+    Algorithm,
+    Collective,
+    KernelCall,
     choose_algorithm,
-    chunk_len,
-    operand_nbytes,
-    recompression_warning,
-    sparse_is_static,
+    registered,
+    tier_nbytes,
 )
 
 F32 = np.dtype(np.float32)
-FLAT_ALGORITHMS = ("allgather", "two_phase", "ring", "sparse", "allreduce")
 BASELINE = "lax.psum"
 # glibc's largest dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX,
 # 4 * 1024 * 1024 * sizeof(long)): buffers above it are mmapped and unmapped
@@ -68,12 +72,6 @@ ERROR_FEEDBACK_BYTES = 20
 # Devices the CPU programs are compiled for to read XLA's memory traffic;
 # beyond it the traffic is extrapolated linearly in the number of devices.
 TRAFFIC_MAX_DEVICES = 8
-# The dense algorithms ranked unless asked for others. The ring is left out:
-# P compressions and 2 (P - 1) hops in sequence, and on XLA:CPU a copy of
-# its accumulator at every hop (its "memory" term, docs/choosing.md); on
-# the test bed it beat two-phase only where gloo's all-to-all is slowest,
-# bf16 at 100 Mbit (docs/benchmarks.md).
-DEFAULT_DENSE = ("allgather", "two_phase")
 
 
 # ---------------------------------------------------------------------------
@@ -110,33 +108,6 @@ class Link:
         if kind == "all-to-all" and nbytes > self.queue_bytes:
             return 8 * nbytes / self.bandwidth * self.all_to_all_slowdown
         return 8 * nbytes / (self.bandwidth * self.goodput)
-
-
-def testbed_link(rate: str) -> Link:
-    """The project's emulated link (/work/shared/testbed.md): tbf on both
-    ends of every veth, no delay.
-
-    - bandwidth and goodput: ``tc ... tbf rate`` and the measured goodput,
-      946-963 Mbit/s of 1 Gbit and 98.1 of 100 Mbit (testbed.md);
-    - latency 0: tbf emulates no delay (testbed.md); what a tiny collective
-      costs there is the processes' scheduling on shared cores
-      (docs/choosing.md);
-    - the all-to-all: XLA's CPU all-to-all over gloo took 0.387 s for a
-      model of 0.201 s at 1 Gbit and 3.291 s for 2.013 s at 100 Mbit
-      (benchmarks/links.py, 8 MiB per destination; docs/benchmarks.md);
-      the queue holds ``rate * latency + burst`` of tbf (1gbit: 5 ms and
-      256 KiB, 100mbit: 20 ms and 32 KiB; testbed.md): an all-to-all that
-      posts less than that at once loses no packet (tc's counters,
-      docs/choosing.md). That is XLA's all-to-all, with which the rows
-      this model is checked against were measured; jaxcomp's collectives
-      now run the all-to-all as ``ppermute`` rounds between CPU processes
-      (``_exchange.pairwise``), faster there than this term says.
-    """
-    if rate == "1gbit":
-        return Link(1e9, 0.0, 0.955, 0.387 / 0.201, 1e9 / 8 * 0.005 + (256 << 10))
-    if rate == "100mbit":
-        return Link(1e8, 0.0, 0.981, 3.291 / 2.013, 1e8 / 8 * 0.020 + (32 << 10))
-    raise ValueError(f"testbed_link: rate must be '1gbit' or '100mbit', got {rate!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,8 +176,8 @@ class Compute:
       memcpy_gbps: GB/s of a buffer copy on that device (each byte read
         and written).
       share: how many times slower than measured the compute runs, e.g.
-        4 for four processes on the two cores the figures were measured
-        with, whose kernels each used both (the test bed).
+        4 for four processes sharing the two cores the figures were
+        measured with, whose kernels each used both.
       source: where the figures come from, for the report.
     """
 
@@ -243,8 +214,7 @@ def _pick(rows: Sequence[Mapping], backend: str) -> Mapping | None:
 
 def load_compute(path: str, *, share: float = 1.0) -> Compute:
     """A :class:`Compute` from a ``jaxcomp._bench`` JSON (``python -m
-    jaxcomp bench --json``, benchmarks/codecs.py: benchmarks/results/codecs.json,
-    benchmarks/results/gpu-h200/codecs-gpu.json).
+    jaxcomp bench --json FILE``).
 
     Encodes use the kernel's figure (the collectives encode with it);
     decodes the kernel's on the CPU, and on GPUs the twin's for codecs
@@ -335,72 +305,55 @@ def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> Kern
 # ---------------------------------------------------------------------------
 # The library's bytes, per collective
 # ---------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of an algorithm: its kind (as in
-    ``jc.collectives.operand_nbytes``) and this device's operand bytes."""
-
-    kind: str
-    operand: float
-
-
-def _tier(codec: Codec, m: int, bits: float | None) -> int:
-    """The operand bytes of a variable-rate payload of ``m`` values in the
-    capacity tier it travels in (``jaxcomp.collectives._tiers.transfer``):
-    the smallest tier that holds the stream the data needs (the largest
-    where that is unknown), plus the payload's other arrays (scale, length),
-    which do not change with the capacity."""
-    tiers = codec.capacity_tiers(m)
-    fixed = codec.wire_nbytes((m,), F32) - codec.stream_capacity(m)
-    if bits is None:
-        return fixed + tiers[-1]
-    need = bits * m / 8
-    return fixed + next((t for t in tiers if t >= need), tiers[-1])
+def _named(algorithm: str) -> Algorithm:
+    """The registered algorithm called ``algorithm``."""
+    for alg in registered():
+        if alg.name == algorithm:
+            return alg
+    known = ", ".join(a.name for a in registered())
+    raise ValueError(f"jaxcomp.planning: unknown algorithm {algorithm!r} (one of {known})")
 
 
 def collectives(
-    codec: Codec | None, algorithm: str, n: int, devices: int, bits: float | None = None
+    codec: Codec | None, algorithm: str, n: int, devices, bits: float | None = None
 ) -> list[Collective]:
-    """The collectives of one all-reduce of ``n`` float32 values over one
-    axis of ``devices``, in program order.
+    """The collectives of one all-reduce of ``n`` float32 values, in
+    program order, as the algorithm declares them
+    (``jc.collectives.Algorithm.collectives``).
 
-    Fixed-rate and sparse codecs: ``jc.collectives.operand_nbytes``.
-    Variable-rate codecs move each payload in a capacity tier agreed by a
-    ``pmax`` (a 4-byte all-reduce) first; ``bits`` is what the data needs
-    (None: the largest tier, as ``operand_nbytes`` counts it). The ring's
-    collective-permute operand is cut into its ``2 (P - 1)`` hops.
-    ``codec`` None: ``lax.psum`` of the float32 tensor.
+    Args:
+      codec: the codec; None: ``lax.psum`` of the float32 tensor.
+      algorithm: a registered algorithm's name.
+      n: values per device.
+      devices: the devices of one axis, or ``(slow, fast)`` sizes for an
+        algorithm of two axes (each collective says which it runs over).
+      bits: for variable-rate codecs, the payload bits per element the
+        data needs, which pick each payload's capacity tier (None: the
+        largest tier, as ``jc.collectives.operand_nbytes`` counts it).
     """
-    p = devices
-    if p == 1:
+    axes = Axes.of_sizes(devices)
+    if not axes.hierarchical and axes.size == 1:
         return []
     if codec is None:
         return [Collective("all-reduce", 4 * n)]
-    if codec.rate is Rate.VARIABLE:
-        return _variable_collectives(codec, algorithm, n, p, bits)
-    ops = operand_nbytes(codec, (n,), F32, p, algorithm)
-    out = []
-    if algorithm == "sparse" and not sparse_is_static(codec, n, F32, p):
-        out.append(Collective("all-reduce", 4))  # the pmax choosing the pair tier
-    if algorithm == "ring":
-        hops = 2 * (p - 1)
-        return [Collective("collective-permute", ops["collective-permute"] / hops)] * hops
-    out += [Collective(kind, b) for kind, b in ops.items()]
-    return out
+    return _named(algorithm).collectives(codec, n, F32, axes, bits)
 
 
-def _variable_collectives(codec, algorithm, n, p, bits) -> list[Collective]:
-    pmax = Collective("all-reduce", 4)
-    if algorithm == "two_phase":
-        c = chunk_len(codec, n, p)
-        t = _tier(codec, c, bits)
-        return [pmax, Collective("all-to-all", p * t), pmax, Collective("all-gather", t)]
-    if algorithm == "allgather":
-        return [pmax, Collective("all-gather", _tier(codec, n, bits))]
-    if algorithm == "ring":
-        t = _tier(codec, -(-n // p), bits)
-        return [pmax, Collective("collective-permute", t)] * (2 * (p - 1))
-    raise ValueError(f"jaxcomp.planning: {algorithm!r} does not take {codec!r}")
+def hierarchical_collectives(
+    codec: Codec, n: int, nodes: int, local: int, bits: float | None = None
+) -> tuple[list[Collective], str, list[Collective]]:
+    """Deprecated: :func:`collectives` over ``(nodes, local)`` devices,
+    each collective with the axis it runs over."""
+    warnings.warn(
+        "jaxcomp.planning.hierarchical_collectives is deprecated; use "
+        "collectives(codec, algorithm, n, (nodes, local)), whose collectives say their axis",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    m = -(-n // local)
+    slow_alg = choose_algorithm(codec, m, nodes)
+    colls = collectives(codec, choose_algorithm(codec, n, (nodes, local)), n, (nodes, local), bits)
+    return [c for c in colls if c.axis == 1], slow_alg, [c for c in colls if c.axis == 0]
 
 
 def device_send_bytes(c: Collective, devices: int) -> float:
@@ -457,7 +410,7 @@ def _collective_time(
 ) -> tuple[float, float]:
     """(wire seconds, latency seconds) of ``c`` over ``nodes * local``
     devices; ``groups`` such collectives run at once, one per device of a
-    node (the hierarchical algorithm's slow stage), sharing its link."""
+    node (the slow axis of ``(slow, fast)`` axes), sharing its link."""
     p = nodes * local
     wire, alpha = 0.0, 0.0
     if nodes > 1:
@@ -469,70 +422,18 @@ def _collective_time(
     return wire, rounds(c, p) * alpha
 
 
-def hierarchical_collectives(
-    codec: Codec, n: int, nodes: int, local: int, bits: float | None = None
-) -> tuple[list[Collective], str, list[Collective]]:
-    """The hierarchical all-reduce over ``(nodes, local)`` devices
-    (docs/collectives.md): ``(fast, slow algorithm, slow)``, the float32
-    reduce-scatter and all-gather over the ``local`` devices of a node, and
-    the collectives of the slow stage, the algorithm ``auto`` picks for a
-    ``ceil(n / local)`` chunk over ``nodes`` devices."""
-    m = -(-n // local)
-    slow_alg = choose_algorithm(codec, m, nodes)
-    fast = [Collective("reduce-scatter", 4 * local * m), Collective("all-gather", 4 * m)]
-    return fast, slow_alg, collectives(codec, slow_alg, m, nodes, bits)
-
-
-# ---------------------------------------------------------------------------
-# Compute: kernel calls and memory passes
-# ---------------------------------------------------------------------------
-def kernel_calls(
-    codec: Codec, algorithm: str, n: int, devices: int
-) -> list[tuple[str, int, Codec]]:
+def kernel_calls(codec: Codec, algorithm: str, n: int, devices) -> list[KernelCall]:
     """The encode and decode kernel calls of one device, ``(what, values,
-    codec)``, as ``jc.psum`` runs them for its value (docs/collectives.md,
-    "Algorithms"; the compiled program's custom calls, tested).
-
-    - allgather: encode the tensor; decode all P payloads (QSGD's
-      decode-and-sum kernel, or decoded rows then summed);
-    - two_phase: encode the tensor (its chunks); decode the P received
-      chunks; encode the reduced chunk; decode the P gathered chunks;
-    - ring: P encodes of a chunk (P - 1 scatter-reduce hops and the
-      owner's) and 2P - 1 decodes (every received hop, and the owner's own);
-    - sparse: the top-k selection (its pairs are summed by XLA, below), and
-      for the split algorithm the dense stage's ``value_codec`` if any;
-    - allreduce and one device: encode and decode once.
-    Identity has no kernel.
-    """
-    p = devices
+    codec)``, as ``jc.psum`` runs them for its value: what the algorithm
+    declares (``jc.collectives.Algorithm.kernel_calls``; the compiled
+    program's custom calls, tested); one device encodes and decodes once.
+    Identity has no kernel. ``devices``: as in :func:`collectives`."""
     if codec.name == "identity":
         return []
-    if p == 1 or algorithm == "allreduce":
-        return [("encode", n, codec), ("decode", n, codec)]
-    if algorithm == "allgather":
-        return [("encode", n, codec), ("decode", p * n, codec)]
-    if algorithm == "two_phase":
-        c = chunk_len(codec, n, p)
-        return [
-            ("encode", p * c, codec),  # the tensor, cut into P chunks
-            ("decode", p * c, codec),  # the P received pieces of my chunk
-            ("encode", c, codec),  # my reduced chunk
-            ("decode", p * c, codec),  # the P gathered chunks
-        ]
-    if algorithm == "ring":
-        c = -(-n // p)
-        return [("encode", c, codec)] * p + [("decode", c, codec)] * (2 * p - 1)
-    if algorithm == "sparse":
-        vc = codec.value_codec
-        if vc is None or sparse_is_static(codec, n, F32, p):
-            return [("encode", n, codec)]
-        c = -(-n // p)
-        return [
-            ("encode", n, codec),
-            ("encode", c, vc),
-            ("decode", p * c, vc),
-        ]
-    raise ValueError(f"jaxcomp.planning: unknown algorithm {algorithm!r}")
+    axes = Axes.of_sizes(devices)
+    if not axes.hierarchical and axes.size == 1:
+        return [KernelCall("encode", n, codec), KernelCall("decode", n, codec)]
+    return _named(algorithm).kernel_calls(codec, n, F32, axes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -551,7 +452,7 @@ class Traffic:
 def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...], n: int) -> Traffic:
     """Compiles ``jc.psum`` (``lax.psum`` for ``codec`` None) of ``n`` float32
     per device on a CPU mesh of ``shape`` (one axis, or ``(slow, fast)``
-    for the hierarchical algorithm) and reads XLA's cost and memory
+    for an algorithm of two axes) and reads XLA's cost and memory
     analyses. Needs ``prod(shape)`` CPU devices (``jax_num_cpu_devices``)."""
     import jax
     from jax.sharding import PartitionSpec as P
@@ -572,8 +473,7 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     def f(x, k):
         if codec is None:
             return jax.lax.psum(x, axis)
-        alg = "auto" if algorithm == "hierarchical" else algorithm
-        return psum(x[0], axis, codec, key=k, algorithm=alg).value[None]
+        return psum(x[0], axis, codec, key=k, algorithm=algorithm).value[None]
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)))
     x = jax.ShapeDtypeStruct((count, n), np.float32)
@@ -595,7 +495,7 @@ def traffic(
 ) -> Traffic:
     """:func:`program_traffic` for any number of devices: compiled at up
     to :data:`TRAFFIC_MAX_DEVICES` devices (fewer if fewer CPU devices are
-    present; a hierarchical mesh at up to half of them x 2), and past that
+    present; a ``(slow, fast)`` mesh at up to half of them x 2), and past that
     extrapolated linearly in the devices from two sizes where it grows
     (the allgather's decoded rows and the ring's copies grow with P), held
     where it does not."""
@@ -636,8 +536,8 @@ class Estimate:
 
     Attributes:
       codec: the codec (None: ``lax.psum`` of float32).
-      algorithm: the algorithm (its slow stage in brackets for
-        hierarchical).
+      algorithm: the algorithm (as it labels itself: the hierarchical one
+        with its slow stage in brackets).
       wire: bandwidth time of every collective.
       latency: rounds times the links' latency.
       kernels: the codec's encodes and decodes.
@@ -646,6 +546,11 @@ class Estimate:
       inter_bytes: bytes one process sends to the others.
       device_bytes: bytes one device sends (``jc.collectives.send_nbytes``).
       bits: payload bits per element.
+      method: a training method other than ``compress_gradients`` with the
+        codec (:func:`method_estimates`), "" for the codec rows.
+      compressed_by: the algorithm whose compression this is (a
+        hierarchical row's slow stage), which its accuracy measurement
+        (:func:`measured_loss`) is looked up by.
     """
 
     codec: Codec | None
@@ -657,6 +562,8 @@ class Estimate:
     inter_bytes: float
     device_bytes: float
     bits: float
+    method: str = ""
+    compressed_by: str = ""
 
     @property
     def seconds(self) -> float:
@@ -664,7 +571,14 @@ class Estimate:
 
     @property
     def name(self) -> str:
+        if self.method:
+            return self.method
         return "float32" if self.codec is None else self.codec.spec
+
+    @property
+    def baseline(self) -> bool:
+        """Whether this is an uncompressed all-reduce of float32."""
+        return self.codec is None and not self.method
 
 
 def _bits(codec: Codec, compute: Compute | None) -> float | None:
@@ -709,8 +623,9 @@ def predict(
 
     Args:
       codec: the codec, or None for ``lax.psum`` (``algorithm`` ignored).
-      algorithm: one of ``FLAT_ALGORITHMS`` over all the cluster's devices,
-        or "hierarchical" over (processes, devices per process).
+      algorithm: a registered algorithm: one of one axis over all the
+        cluster's devices, or one of two axes over (processes, devices per
+        process).
       n: values per device.
       cluster: the devices and links.
       compute: the codecs' measured speed (None: the wire alone).
@@ -720,10 +635,58 @@ def predict(
       An :class:`Estimate`.
     """
     if codec is None:
-        return _predict_flat(None, BASELINE, n, cluster, compute, False)
-    if algorithm == "hierarchical":
-        return _predict_hierarchical(codec, n, cluster, compute, error_feedback)
-    return _predict_flat(codec, algorithm, n, cluster, compute, error_feedback)
+        return _predict_baseline(n, cluster, compute)
+    alg = _named(algorithm)
+    axes, spans = _axes(cluster, alg.num_axes)
+    colls = collectives(codec, alg.name, n, axes.axis_sizes, _bits(codec, compute))
+    wire, latency, inter, dev = _on_axes(colls, cluster, spans)
+    calls = kernel_calls(codec, alg.name, n, axes.axis_sizes)
+    kern, mem = _compute_seconds(codec, alg.name, calls, n, axes.sizes, compute)
+    own = alg.compressed_values(n, axes) if axes.size > 1 else n
+    if error_feedback:
+        # On one device the decoded payload is the value itself.
+        k2, m2 = _error_feedback(compute, codec, n, own if axes.size > 1 else 0)
+        kern, mem = kern + k2, mem + m2
+    bits = 8 * _payload_bytes(codec, own, compute) / own
+    label = alg.label(codec, n, axes)
+    by = alg.compressor(codec, n, axes).name
+    return Estimate(codec, label, wire, latency, kern, mem, inter, dev, bits, compressed_by=by)
+
+
+def _axes(cluster: Cluster, num_axes: int) -> tuple[Axes, list[tuple[int, int, int]]]:
+    """The axes an algorithm of ``num_axes`` axes runs over on ``cluster``,
+    and for each axis ``(nodes, local, groups)``: the processes it spans,
+    the devices of each process it spans, and how many such collectives
+    share a process's link at once. One axis: every device (node-major);
+    ``(slow, fast)``: the processes, then the devices of each."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    if num_axes == 1:
+        return Axes((cluster.devices,)), [(nodes, local, 1)]
+    return Axes((nodes, local)), [(nodes, 1, local), (1, local, 1)]
+
+
+def _on_axes(colls: Sequence[Collective], cluster: Cluster, spans) -> tuple[float, ...]:
+    """(wire s, latency s, bytes one process sends to the others, bytes one
+    device sends) of ``colls`` over the axes of ``spans``."""
+    wire = latency = 0.0
+    inter = dev = 0
+    for i, (nodes, local, groups) in enumerate(spans):
+        on = [c for c in colls if c.axis == i]
+        w, a = _wire(on, cluster, nodes, local, groups)
+        wire, latency = wire + w, latency + a
+        if nodes > 1:  # an axis within a process sends nothing to the others
+            inter += groups * sum(_egress(c, nodes, local) for c in on)
+        dev += sum(device_send_bytes(c, nodes * local) for c in on)
+    return wire, latency, inter, dev
+
+
+def _predict_baseline(n: int, cluster: Cluster, compute: Compute | None) -> Estimate:
+    """``lax.psum`` of ``n`` float32 values over every device."""
+    p, local = cluster.devices, cluster.devices_per_process
+    colls = collectives(None, BASELINE, n, p)
+    wire, latency, inter, dev = _on_axes(colls, cluster, [(cluster.processes, local, 1)])
+    _, mem = _compute_seconds(None, BASELINE, [], n, (p,), compute)
+    return Estimate(None, BASELINE, wire, latency, 0.0, mem, inter, dev, 32.0)
 
 
 def _wire(colls, cluster, nodes, local, groups=1) -> tuple[float, float]:
@@ -744,50 +707,9 @@ def _error_feedback(compute, codec, n, own):
     return kern, compute.memory_seconds(ERROR_FEEDBACK_BYTES * n)
 
 
-def _predict_flat(codec, algorithm, n, cluster, compute, error_feedback) -> Estimate:
-    p, local = cluster.devices, cluster.devices_per_process
-    colls = collectives(codec, algorithm, n, p, None if codec is None else _bits(codec, compute))
-    wire, latency = _wire(colls, cluster, cluster.processes, local)
-    calls = [] if codec is None else kernel_calls(codec, algorithm, n, p)
-    kern, mem = _compute_seconds(codec, algorithm if codec else BASELINE, calls, n, (p,), compute)
-    if error_feedback and codec is not None:
-        # On one device the decoded payload is the value itself.
-        k2, m2 = _error_feedback(compute, codec, n, n if p > 1 else 0)
-        kern, mem = kern + k2, mem + m2
-    inter = sum(_egress(c, cluster.processes, local) for c in colls)
-    dev = sum(device_send_bytes(c, p) for c in colls)
-    bits = 32.0 if codec is None else 8 * _payload_bytes(codec, n, compute) / n
-    name = BASELINE if codec is None else algorithm
-    return Estimate(codec, name, wire, latency, kern, mem, inter, dev, bits)
-
-
 def _payload_bytes(codec: Codec, n: int, compute: Compute | None) -> float:
     bits = _bits(codec, compute)
-    return codec.wire_nbytes((n,), F32) if bits is None else _tier(codec, n, bits)
-
-
-def _predict_hierarchical(codec, n, cluster, compute, error_feedback) -> Estimate:
-    """``jc.psum`` over ``(processes, devices_per_process)``: reduce-scatter
-    over the fast axis, the slow stage (by the ``auto`` rule) on one
-    chunk, every device of a node running its own at once, all-gather over
-    the fast axis (docs/collectives.md)."""
-    nodes, local = cluster.processes, cluster.devices_per_process
-    m = -(-n // local)
-    fast, slow_alg, slow = hierarchical_collectives(codec, n, nodes, local, _bits(codec, compute))
-    w1, a1 = _wire(fast, cluster, 1, local)
-    w2, a2 = _wire(slow, cluster, nodes, 1, groups=local)
-    calls = kernel_calls(codec, slow_alg, m, nodes)
-    kern, mem = _compute_seconds(codec, "hierarchical", calls, n, (nodes, local), compute)
-    if error_feedback:
-        k2, m2 = _error_feedback(compute, codec, n, m)
-        kern, mem = kern + k2, mem + m2
-    inter = local * sum(_egress(c, nodes, 1) for c in slow)
-    dev = sum(device_send_bytes(c, local) for c in fast)
-    dev += sum(device_send_bytes(c, nodes) for c in slow)
-    bits = 8 * _payload_bytes(codec, m, compute) / m
-    return Estimate(
-        codec, f"hierarchical({slow_alg})", w1 + w2, a1 + a2, kern, mem, inter, dev, bits
-    )
+    return codec.wire_nbytes((n,), F32) if bits is None else tier_nbytes(codec, n, F32, bits)
 
 
 # ---------------------------------------------------------------------------
@@ -804,22 +726,23 @@ def default_codecs() -> list[Codec]:
 def candidate_algorithms(
     codec: Codec, cluster: Cluster, only: Sequence[str] | None = None
 ) -> list[str]:
-    """The algorithms ``codec`` can run on ``cluster``: linear codecs
-    ``allreduce``, sparse ones ``sparse``, the others those of
-    :data:`DEFAULT_DENSE` (``only`` may add the ring) unless a second
-    compression is unsafe for them (``jc.collectives.recompression_warning``:
-    TernGrad); and ``hierarchical`` where several processes each have
-    several devices. ``only``: keep just these."""
-    if codec.rate is Rate.LINEAR:
-        algs = ["allreduce"]
-    elif codec.rate is Rate.SPARSE:
-        algs = ["sparse"]
-    else:
-        dense = DEFAULT_DENSE if only is None else ("allgather", "two_phase", "ring")
-        algs = [a for a in dense if recompression_warning(codec, a) is None]
-    if cluster.processes > 1 and cluster.devices_per_process > 1:
-        algs.append("hierarchical")
-    return [a for a in algs if only is None or a in only]
+    """The algorithms ``codec`` can run on ``cluster``: every registered
+    algorithm that is ranked for the codec's rate
+    (``Algorithm.planned_rates``), unless a second compression is unsafe
+    for it (``jc.collectives.recompression_warning``: TernGrad); those of
+    two axes where several processes each have several devices. ``only``:
+    just these."""
+    levels = 2 if cluster.processes > 1 and cluster.devices_per_process > 1 else 1
+    out = []
+    for alg in registered():
+        if (
+            (only is None or alg.name in only)
+            and codec.rate in alg.planned_rates
+            and alg.num_axes <= levels
+            and alg.recompression_warning(codec) is None
+        ):
+            out.append(alg.name)
+    return out
 
 
 def plan(
@@ -832,9 +755,12 @@ def plan(
     error_feedback: bool = True,
     bucket: int | None = None,
     min_bits: float = 0.0,
+    methods: Methods | None = None,
 ) -> list[Estimate]:
-    """Every codec x algorithm, predicted and ranked, fastest first, with
-    ``lax.psum``'s row among them.
+    """Every codec x algorithm, and the other training methods, predicted
+    and ranked, fastest first, with the float32 baselines among them:
+    ``lax.psum``'s row and, where the cluster has a fast level, the
+    hierarchical all-reduce of float32.
 
     Args:
       n: gradient values per device (the model's parameters).
@@ -851,6 +777,8 @@ def plan(
       min_bits: leave out codecs of fewer payload bits per element (their
         static size; 8 keeps the codecs that train with Adam as float32
         does, docs/training.md).
+      methods: the other methods' options (:class:`Methods`); None: their
+        defaults. Left out where ``algorithms`` is given.
     Returns:
       Estimates sorted by predicted seconds (ties by name, so the order
       is deterministic).
@@ -858,17 +786,212 @@ def plan(
     k = 1 if not bucket or n <= bucket else -(-n // bucket)
     m = -(-n // k)
     rows = [predict(None, BASELINE, m, cluster, compute)]
+    if _two_levels(cluster):
+        rows.append(_uncompressed_hierarchical(m, cluster, compute))
     for codec in default_codecs() if codecs is None else codecs:
         if codec.bits_per_element() < min_bits:
             continue
         for alg in candidate_algorithms(codec, cluster, algorithms):
             rows.append(predict(codec, alg, m, cluster, compute, error_feedback=error_feedback))
     rows = [times(e, k) for e in rows]
+    if algorithms is None:
+        rows += method_estimates(n, k, cluster, compute, methods or Methods(n))
     return sorted(rows, key=lambda e: (e.seconds, e.name, e.algorithm))
 
 
-def times(e: Estimate, k: int) -> Estimate:
-    """``k`` all-reduces like ``e``, one after the other."""
+def _two_levels(cluster: Cluster) -> bool:
+    return cluster.processes > 1 and cluster.devices_per_process > 1
+
+
+def _uncompressed_hierarchical(n: int, cluster: Cluster, compute: Compute | None) -> Estimate:
+    """The best uncompressed all-reduce where processes have several
+    devices: float32 over the fast level, float32 ``psum`` of a chunk over
+    the slow one (the algorithm of two axes with the Identity codec)."""
+    from jaxcomp.codecs import Identity
+
+    sizes = (cluster.processes, cluster.devices_per_process)
+    e = predict(Identity(), choose_algorithm(Identity(), n, sizes), n, cluster, compute)
+    return dataclasses.replace(e, codec=None, compressed_by="")
+
+
+# ---------------------------------------------------------------------------
+# The other methods: PowerSGD, 1-bit Adam, DiLoCo
+# ---------------------------------------------------------------------------
+def default_width(n: int) -> int:
+    """The hidden size of a transformer of ``n`` parameters whose width is
+    100 times its depth (``12 L d^2`` parameters: GPT-2, GPT-3 and Llama
+    are within 2x of that ratio), rounded to a multiple of 64: 1B gives
+    2048, 7B 3968, 100M 960."""
+    return max(64, 64 * round((100 * n / 12) ** (1 / 3) / 64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Methods:
+    """What the rows of the methods other than ``compress_gradients``
+    assume.
+
+    Attributes:
+      n: the model's parameters.
+      width: its hidden size: PowerSGD's factors of a transformer layer's
+        ``12 d^2`` values (four ``d x d`` and two ``d x 4d`` matrices) are
+        ``18 d r`` values. Default :func:`default_width`.
+      powersgd_rank: PowerSGD's rank r.
+      sync_every: DiLoCo's inner steps per synchronization (the paper's
+        500): its rows are one synchronization divided by them, the
+        communication per step.
+      onebit_adam_codec: ``jc.optax.onebit_adam``'s default codec.
+      diloco_codec: the codec of the compressed DiLoCo row (the DiLoCo
+        papers quantize the outer gradients to 8 or 4 bits).
+    """
+
+    n: int
+    width: int | None = None
+    powersgd_rank: int = 4
+    sync_every: int = 500
+    onebit_adam_codec: Codec | None = None
+    diloco_codec: Codec | None = None
+
+    def __post_init__(self):
+        from jaxcomp import codecs
+
+        defaults = {
+            "width": self.width or default_width(self.n),
+            "onebit_adam_codec": self.onebit_adam_codec or codecs.OneBit(bucket_size=256),
+            "diloco_codec": self.diloco_codec or codecs.Int8(),
+        }
+        for name, value in defaults.items():
+            object.__setattr__(self, name, value)
+        for name in ("width", "powersgd_rank", "sync_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"jaxcomp.planning: {name} must be >= 1, got {getattr(self, name)}"
+                )
+
+    @property
+    def codecs(self) -> tuple[Codec, ...]:
+        """The codecs these rows run, whose compute figures they need."""
+        return (self.onebit_adam_codec, self.diloco_codec)
+
+
+def method_estimates(
+    n: int, k: int, cluster: Cluster, compute: Compute | None, methods: Methods
+) -> list[Estimate]:
+    """The rows of PowerSGD, 1-bit Adam and DiLoCo for ``n`` gradient values
+    sent as ``k`` buckets (their communication per training step).
+
+    - ``jc.optax.powersgd``: the factors in two float32 all-reduces of all
+      the matrices (``powersgd_rank``, :attr:`Methods.width`), plus its
+      passes over the gradient (the two products read it, the residual's
+      error feedback); the small leaves it leaves exact are not counted.
+      Where processes have several devices it averages over the fast level
+      exactly first, and every device then all-reduces the factors over the
+      slow one.
+    - ``jc.optax.onebit_adam``: after its warm-up, its momentum goes as
+      ``compress_gradients`` sends a gradient with its codec (by ``auto``).
+    - ``jc.optax.diloco``: one float32 all-reduce (or one of the codec's,
+      without error feedback) every ``sync_every`` steps, per step.
+    Rows whose codec has no compute figures in ``compute`` are left out.
+    """
+    m = -(-n // k)
+    sizes = (cluster.processes, cluster.devices_per_process) if _two_levels(cluster) else None
+    out = [_powersgd(n, cluster, compute, methods)]
+    codec = methods.onebit_adam_codec
+    if _has_figures(codec, compute):
+        alg = choose_algorithm(codec, m, sizes or cluster.devices)
+        e = times(predict(codec, alg, m, cluster, compute, error_feedback=True), k)
+        out.append(dataclasses.replace(e, method=f"onebit_adam({codec.spec})"))
+    h = methods.sync_every
+    sync = times(predict(None, BASELINE, m, cluster, compute), k)
+    out.append(dataclasses.replace(times(sync, 1 / h), method=f"diloco:sync_every={h}"))
+    codec = methods.diloco_codec
+    if _has_figures(codec, compute):
+        alg = choose_algorithm(codec, m, sizes or cluster.devices)
+        e = times(predict(codec, alg, m, cluster, compute), k / h)
+        out.append(dataclasses.replace(e, method=f"diloco:sync_every={h},codec={codec.spec}"))
+    return out
+
+
+def _has_figures(codec: Codec, compute: Compute | None) -> bool:
+    return compute is None or repr(codec) in compute.kernels
+
+
+# The algorithm label of PowerSGD's rows, as the accuracy study names it.
+LOW_RANK = "low-rank pmean"
+
+
+def _powersgd(n: int, cluster: Cluster, compute: Compute | None, methods: Methods) -> Estimate:
+    r, d = methods.powersgd_rank, methods.width
+    factors = n * 1.5 * r / d  # 18 d r factor values per 12 d^2 gradient values
+    half = Collective("all-reduce", 2 * factors)  # the P's, then the Q's, float32
+    if _two_levels(cluster):
+        exact = Collective("all-reduce", 4 * n, axis=1)
+        colls, num_axes, label = [exact, half, half], 2, f"{LOW_RANK}, exact within a process"
+    else:
+        colls, num_axes, label = [half, half], 1, LOW_RANK
+    _, spans = _axes(cluster, num_axes)
+    wire, latency, inter, dev = _on_axes(colls, cluster, spans)
+    mem = 0.0 if compute is None else compute.memory_seconds((8 + ERROR_FEEDBACK_BYTES) * n)
+    name = f"powersgd:rank={r}"
+    bits = 32 * factors / n
+    return Estimate(None, label, wire, latency, 0.0, mem, inter, dev, bits, name, LOW_RANK)
+
+
+# ---------------------------------------------------------------------------
+# What the accuracy study measured (docs/accuracy.md)
+# ---------------------------------------------------------------------------
+def _normalized(method: str) -> str:
+    """A method key of ``jaxcomp._accuracy`` with its codec spec as
+    ``Codec.spec`` writes it."""
+    from jaxcomp import codecs
+
+    if method.startswith("onebit_adam("):
+        return f"onebit_adam({codecs.get(method[len('onebit_adam(') : -1]).spec})"
+    if method.startswith("powersgd:"):
+        return method
+    return codecs.get(method).spec
+
+
+@functools.cache
+def _measured() -> tuple[dict, dict]:
+    from jaxcomp import _accuracy
+
+    return tuple(
+        {(_normalized(m), alg): v for (m, alg), v in table.items()}
+        for table in (_accuracy.SGD, _accuracy.ADAM)
+    )
+
+
+NOT_MEASURED = "not measured"
+
+
+def measured_loss(e: Estimate) -> tuple[float | str | None, float | str | None]:
+    """What the accuracy study (docs/accuracy.md) measured for ``e``'s
+    method with its algorithm (a hierarchical row: its slow stage's), with
+    SGD and with Adam: the held-out loss's change against float32 in
+    percent, None where the run diverged, or :data:`NOT_MEASURED`. The
+    float32 rows are the reference, 0."""
+    if e.baseline:
+        return 0.0, 0.0
+    key = (e.name, e.compressed_by)
+    sgd, adam = _measured()
+    return sgd.get(key, NOT_MEASURED), adam.get(key, NOT_MEASURED)
+
+
+def accuracy_class(loss: float | str | None) -> str:
+    """A measured change of the held-out loss as a class: "parity" up to
+    +1%, "close" up to +5%, "loses" beyond, "diverged", or "not
+    measured"."""
+    if loss == NOT_MEASURED:
+        return NOT_MEASURED
+    if loss is None:
+        return "diverged"
+    word = "parity" if loss <= 1 else "close" if loss <= 5 else "loses"
+    return f"{word} ({loss:+.1f}%)"
+
+
+def times(e: Estimate, k: float) -> Estimate:
+    """``k`` all-reduces like ``e``, one after the other (a fraction: one
+    every ``1 / k`` steps, per step)."""
     if k == 1:
         return e
     return dataclasses.replace(
@@ -922,134 +1045,12 @@ def predict_step(
     compressed buckets by ``algorithm="auto"``, then the uncompressed
     leaves' ``lax.pmean``); sum their ``seconds`` for the step's
     communication and codec time."""
+    levels = cluster.processes > 1 and cluster.devices_per_process > 1
+    sizes = (cluster.processes, cluster.devices_per_process) if levels else cluster.devices
     out = []
     for c, m in step_buckets(codec, shapes, **plan_options):
-        alg = BASELINE if c is None else choose_algorithm(c, m, cluster.devices)
-        if c is not None and cluster.processes > 1 and cluster.devices_per_process > 1:
-            alg = "hierarchical"
+        alg = BASELINE if c is None else choose_algorithm(c, m, sizes)
         out.append(predict(c, alg, m, cluster, compute, error_feedback=error_feedback))
-    return out
-
-
-# ---------------------------------------------------------------------------
-# Against the measured rows (benchmarks/results/measured_rows.json)
-# ---------------------------------------------------------------------------
-# The test bed runs four processes on two cores, and the CPU figures were
-# measured by one process whose kernels used both: every encode and decode
-# there runs at about a quarter of the measured speed (docs/benchmarks.md:
-# "every encode and decode runs at about half a core's speed").
-TESTBED_SHARE = 4.0
-# What the model claims: one all-reduce, unpipelined (PIPELINE_MAX_DEPTH = 1,
-# the default), as `plan` ranks it.
-CLAIM = 0.30
-
-
-@dataclasses.dataclass(frozen=True)
-class Check:
-    """One measured row beside its prediction."""
-
-    table: str
-    label: str
-    measured: float
-    predicted: float
-    claimed: bool  # within what the model predicts (an all-reduce as `plan` ranks it)
-    why: str = ""  # for rows it does not claim
-
-    @property
-    def error(self) -> float:
-        return self.predicted / self.measured - 1
-
-
-def _codec(spec: str) -> Codec | None:
-    from jaxcomp import codecs
-
-    return None if spec == "float32" else codecs.get(spec)
-
-
-def _check_collectives(table: Mapping, compute: Compute) -> list[Check]:
-    n = table["values_per_process"]
-    out = []
-    for r in table["rows"]:
-        cluster = Cluster(r["procs"], 1, testbed_link(r["link"]))
-        e = predict(_codec(r["codec"]), r["algorithm"], n, cluster, compute)
-        depth = r.get("pipeline_depth", 1)
-        alg = r["algorithm"] + (f", {depth} segments" if depth > 1 else "")
-        label = f"{r['link']} | {r['codec']} | {alg} | {r['run']}"
-        why = "" if depth == 1 else "pipelined: not modelled"
-        out.append(Check("collectives", label, r["seconds"], e.seconds, depth == 1, why))
-    return out
-
-
-def _sgd_seconds(compute: Compute, shapes) -> float:
-    """The sgd update after the all-reduce: read the parameters and the
-    mean gradient, write the parameters (12 bytes per element)."""
-    return compute.memory_seconds(12 * sum(math.prod(s) for s in shapes))
-
-
-def _check_optimizer_step(table: Mapping, compute: Compute) -> list[Check]:
-    shapes = [tuple(s) for s in table["leaves"]]
-    out = []
-    for r in table["rows"]:
-        cluster = Cluster(r["procs"], 1, testbed_link(r["link"]))
-        codec = _codec(r["codec"])
-        if r["update"] == "bare jc.pmean + sgd":
-            parts = []
-            for s in shapes:
-                m = math.prod(s)
-                alg = r["algorithm"]
-                alg = choose_algorithm(codec, m, cluster.devices) if alg == "auto" else alg
-                parts.append(predict(codec, alg, m, cluster, compute))
-        else:
-            ef = r["update"].startswith("compress_gradients")
-            parts = predict_step(codec, shapes, cluster, compute, error_feedback=ef)
-        t = sum(e.seconds for e in parts) + _sgd_seconds(compute, shapes)
-        why = "4 all-reduces + update in one program"
-        label = f"{r['link']} | {r['codec']}@{r['algorithm']} | {r['update']}"
-        out.append(Check("optimizer step", label, r["seconds"], t, False, why))
-    return out
-
-
-def _check_end_to_end(table: Mapping, compute: Compute) -> list[Check]:
-    shapes = [tuple(s) for s in table["leaves"]]
-    out = []
-    for r in table["rows"]:
-        label = f"{r['link']} | {r['row']} | {r['run']}"
-        if r["codec"].startswith("powersgd"):
-            continue  # a transformation of its own, not a codec: not ranked
-        codec = _codec(r["codec"])
-        cluster = Cluster(table["procs"], 1, testbed_link(r["link"]))
-        parts = predict_step(codec, shapes, cluster, compute, error_feedback=codec is not None)
-        t = r["compute_s"] + sum(e.seconds for e in parts)
-        why = "a whole training step"
-        out.append(Check("end to end", label, r["step_s"], t, False, why))
-    return out
-
-
-def _check_gpu(table: Mapping, compute: Compute) -> list[Check]:
-    shapes = [tuple(s) for s in table["leaves"]]
-    cluster = Cluster(table["devices"], 1, Link(math.inf))
-    out = []
-    for r in table["rows"]:
-        parts = predict_step(_codec(r["codec"]), shapes, cluster, compute)
-        t = 1e3 * sum(e.seconds for e in parts)
-        why = "one-GPU training step"
-        out.append(
-            Check("gpu train step", f"{table['device']} | {r['row']}", r["extra_ms"], t, False, why)
-        )
-    return out
-
-
-def check(rows: Mapping, cpu: Compute, gpu: Compute | None = None) -> list[Check]:
-    """Every row of ``rows`` (the layout of
-    benchmarks/results/measured_rows.json) beside its prediction: the
-    emulated-link rows with the CPU figures ``cpu`` at the test bed's share
-    (:data:`TESTBED_SHARE`), the GPU step with ``gpu``."""
-    cpu = dataclasses.replace(cpu, share=TESTBED_SHARE)
-    out = _check_collectives(rows["collectives"], cpu)
-    out += _check_optimizer_step(rows["optimizer_step"], cpu)
-    out += _check_end_to_end(rows["end_to_end"], cpu)
-    if gpu is not None:
-        out += _check_gpu(rows["gpu_train_step"], gpu)
     return out
 
 
@@ -1106,44 +1107,41 @@ def _fmt_s(t: float) -> str:
 
 def table(rows: Sequence[Estimate], top: int | None = None) -> str:
     """A markdown table of ranked estimates, with the speedup over the
-    ``lax.psum`` row; ``top``: the best rows only, and ``lax.psum``'s."""
-    base = next(e.seconds for e in rows if e.codec is None)
+    fastest float32 row and what the accuracy study measured
+    (:func:`measured_loss`); ``top``: the best rows only, and the float32
+    ones."""
+    base = min(e.seconds for e in rows if e.baseline)
     lines = [
         "| rank | codec | algorithm | bits/elt | GB out per process | wire | latency "
-        "| codec kernels | memory | total | vs lax.psum |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| codec kernels | memory | total | vs best float32 | held-out loss, SGD "
+        "| held-out loss, Adam |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for i, e in enumerate(rows, 1):
-        if top is not None and i > top and e.codec is not None:
+        if top is not None and i > top and not e.baseline:
             continue
+        sgd, adam = (accuracy_class(v) for v in measured_loss(e))
         lines.append(
             f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {e.inter_bytes / 1e9:.3f} "
             f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
-            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x |"
+            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x "
+            f"| {sgd} | {adam} |"
         )
     return "\n".join(lines)
 
 
-# The columns of each table's labels (``Check.label`` joins them with " | ").
-_LABEL_COLUMNS = {
-    "collectives": "link | codec | algorithm | run",
-    "optimizer step": "link | codec@algorithm | update",
-    "end to end": "link | row | run",
-    "gpu train step": "device | row",
-}
-
-
-def check_table(checks: Sequence[Check], unit: str = "s") -> str:
-    """A markdown table of one table's measured rows beside their
-    predictions."""
-    cols = _LABEL_COLUMNS[checks[0].table]
-    lines = [
-        f"| {cols} | measured {unit} | predicted {unit} | error | claimed |",
-        "|" + "---|" * (cols.count("|") + 5),
-    ]
-    for c in checks:
-        claimed = "yes" if c.claimed else f"no: {c.why}"
-        lines.append(
-            f"| {c.label} | {c.measured:.3f} | {c.predicted:.3f} | {100 * c.error:+.0f}% | {claimed} |"
+def __getattr__(name: str):
+    # Names of earlier releases, derived now from the algorithms' declarations.
+    if name in ("FLAT_ALGORITHMS", "DEFAULT_DENSE"):
+        warnings.warn(
+            f"jaxcomp.planning.{name} is deprecated; every registered algorithm "
+            "(jc.collectives.registered()) declares what the planner needs "
+            "(num_axes, planned_rates)",
+            DeprecationWarning,
+            stacklevel=2,
         )
-    return "\n".join(lines)
+        flat = [a for a in registered() if a.num_axes == 1]
+        if name == "DEFAULT_DENSE":
+            flat = [a for a in flat if Rate.FIXED in a.planned_rates]
+        return tuple(a.name for a in flat)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,7 @@ exact error-feedback accounting, bytes on the wire read from the HLO."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -724,26 +725,40 @@ def test_pairwise_exchange_is_the_all_to_all(size):
 @pytest.mark.parametrize(
     "codec", [jc.codecs.QSGD(bits=4, bucket_size=64), jc.codecs.TopK(fraction=0.05)], ids=repr
 )
-def test_pairwise_all_reduce_gives_the_same_bits(mesh, monkeypatch, codec):
-    """JAXCOMP_ALL_TO_ALL=pairwise changes how the rows travel, not what
-    arrives: two-phase and the sparse all-reduce give the same value and
-    sent, bit for bit, and two-phase's program holds ppermutes in place of
-    the all-to-all."""
+def test_pairwise_all_reduce_gives_the_same_bits(mesh, codec):
+    """all_to_all="pairwise" changes how the rows travel, not what arrives:
+    two-phase and the sparse all-reduce give the same value and sent, bit
+    for bit, and two-phase's program holds ppermutes in place of the
+    all-to-all; in one process "auto" is XLA's all-to-all."""
     alg = "sparse" if codec.rate is jc.codecs.Rate.SPARSE else "two_phase"
     x = jax.random.normal(jax.random.key(3), (N_DEV, 1001))
     results, texts = {}, {}
-    for how in ("native", "pairwise"):
-        monkeypatch.setenv("JAXCOMP_ALL_TO_ALL", how)
-        g, results[how] = _run(mesh, codec, alg, x)  # a fresh jit: traced now
+    for how in ("native", "pairwise", "auto"):
+        fn = functools.partial(jcc.psum, all_to_all=how)
+        g, results[how] = _run(mesh, codec, alg, x, fn=fn)
         texts[how] = g.lower(x, KEY).as_text()
     for a, b in zip(results["native"], results["pairwise"], strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     assert "all_to_all" not in texts["pairwise"]
+    assert texts["auto"] == texts["native"]
     if alg == "two_phase":  # the sparse all-reduce of so few pairs all-gathers them
         assert "all_to_all" in texts["native"] and "collective_permute" in texts["pairwise"]
 
 
-def test_all_to_all_setting_is_checked(mesh, monkeypatch):
-    monkeypatch.setenv("JAXCOMP_ALL_TO_ALL", "ring")
-    with pytest.raises(ValueError, match="JAXCOMP_ALL_TO_ALL='ring'"):
-        _run(mesh, jc.codecs.QSGD(bits=4), "two_phase", jnp.ones((N_DEV, 64)))
+def test_all_to_all_argument_is_checked(mesh):
+    fn = functools.partial(jcc.pmean, all_to_all="ring")
+    with pytest.raises(ValueError, match="all_to_all must be one of"):
+        _run(mesh, jc.codecs.QSGD(bits=4), "two_phase", jnp.ones((N_DEV, 64)), fn=fn)
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [("PIPELINE_MAX_DEPTH", 1), ("PIPELINE_MIN_VALUES", 1 << 18), ("pipeline_depth", None)],
+)
+def test_pipeline_names_are_deprecated(name, value):
+    with pytest.warns(DeprecationWarning, match=f"jc.collectives.{name} is deprecated"):
+        got = getattr(jcc, name)
+    if value is None:
+        assert got(jc.codecs.QSGD(bits=4), 1 << 24, 4) == 1
+    else:
+        assert got == value

@@ -22,6 +22,8 @@ when it is imported, as the package does below.
 
 from __future__ import annotations
 
+import warnings
+
 # Each algorithm registers itself when its module is imported; this order is
 # that of ALGORITHMS.
 # isort: off
@@ -29,7 +31,15 @@ from jaxcomp.collectives import _allgather, _two_phase, _ring, _sparse, _allredu
 from jaxcomp.collectives import _hierarchical  # noqa: F401
 # isort: on
 
-from jaxcomp.collectives._algorithm import Algorithm, Context, names, uncompressed_send_nbytes
+from jaxcomp.collectives._algorithm import (
+    Algorithm,
+    Collective,
+    Context,
+    KernelCall,
+    names,
+    registered,
+    uncompressed_send_nbytes,
+)
 from jaxcomp.collectives._allgather import COARSE_ALLGATHER_MAX_DEVICES
 from jaxcomp.collectives._api import (
     Reduced,
@@ -47,8 +57,7 @@ from jaxcomp.collectives._chunks import chunk_len
 from jaxcomp.collectives._exchange import wire_log
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._sparse import static_fits as sparse_is_static
-from jaxcomp.collectives._tiers import tier_capacities
-from jaxcomp.collectives._two_phase import PIPELINE_MAX_DEPTH, PIPELINE_MIN_VALUES, pipeline_depth
+from jaxcomp.collectives._tiers import tier_capacities, tier_nbytes
 
 #: The names ``algorithm=`` takes.
 ALGORITHMS = names()
@@ -56,25 +65,51 @@ ALGORITHMS = names()
 __all__ = [
     "ALGORITHMS",
     "COARSE_ALLGATHER_MAX_DEVICES",
-    "PIPELINE_MAX_DEPTH",
-    "PIPELINE_MIN_VALUES",
     "Algorithm",
+    "Collective",
     "Context",
+    "KernelCall",
     "Reduced",
     "after",
     "choose_algorithm",
     "chunk_len",
     "init_state",
     "operand_nbytes",
-    "pipeline_depth",
     "pmean",
     "psum",
     "recompression_warning",
+    "registered",
     "send_nbytes",
     "sparse_is_static",
     "state_positions",
     "state_size",
     "tier_capacities",
+    "tier_nbytes",
     "uncompressed_send_nbytes",
     "wire_log",
 ]
+
+
+def _one_segment(codec, n, size) -> int:
+    return 1
+
+
+# Names of a pipelined two-phase all-reduce that no longer exists: measured
+# on the CPU test bed it was slower than one segment (docs/collectives.md).
+_DEPRECATED = {
+    "PIPELINE_MAX_DEPTH": 1,
+    "PIPELINE_MIN_VALUES": 1 << 18,
+    "pipeline_depth": _one_segment,
+}
+
+
+def __getattr__(name: str):
+    if name in _DEPRECATED:
+        warnings.warn(
+            f"jc.collectives.{name} is deprecated and has no effect: the two-phase all-reduce "
+            "runs in one segment",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return _DEPRECATED[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

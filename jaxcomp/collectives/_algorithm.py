@@ -15,7 +15,13 @@ that none of them switches on names:
   :meth:`Algorithm.chosen`;
 - whether it compresses a reduced chunk again with the codec
   (:attr:`Algorithm.recompresses`, which :meth:`recompression_warning`
-  reads).
+  reads);
+- what the cost model of :mod:`jaxcomp.planning` needs: the codecs it is
+  ranked for (:attr:`Algorithm.planned_rates`), its collectives in program
+  order with their bytes (:meth:`Algorithm.collectives`, including the
+  ``pmax`` of a capacity tier), the encodes and decodes it runs
+  (:meth:`Algorithm.kernel_calls`), and what its first compression
+  encodes (:meth:`Algorithm.compressed_values`).
 
 What one call shares travels as a :class:`Context` (codec, axes, key,
 divisor), built once by ``jc.psum`` / ``jc.pmean``.
@@ -24,14 +30,14 @@ divisor), built once by ``jc.psum`` / ``jc.pmean``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp._axes import Axes
-from jaxcomp.codecs.base import Codec
+from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.collectives._decode import decode_own
 from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._order import after
@@ -42,6 +48,32 @@ from jaxcomp.collectives._order import after
 FlatReduced = tuple[jax.Array, jax.Array, jax.Array | None]
 
 _REGISTRY: dict[str, Algorithm] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of an algorithm, as a cost model sees it.
+
+    Attributes:
+      kind: as in :func:`~jaxcomp.collectives.operand_nbytes` ("all-gather",
+        "all-to-all", "collective-permute", "all-reduce", or
+        "reduce-scatter" for a float32 ``psum_scatter``).
+      operand: this device's operand bytes.
+      axis: the axis it runs over, an index into the call's axes: 0 for one
+        axis; 0 (slow) or 1 (fast) for ``(slow, fast)`` axes.
+    """
+
+    kind: str
+    operand: float
+    axis: int = 0
+
+
+class KernelCall(NamedTuple):
+    """One encode or decode an all-reduce runs on one device."""
+
+    what: str  # "encode" or "decode"
+    values: int  # values encoded, or decoded
+    codec: Codec
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,6 +92,8 @@ class Context:
         None; :func:`~jaxcomp.collectives.after`): set by
         ``compress_gradients`` to the previous bucket's, so that every
         device enters the buckets' collectives in one order.
+      all_to_all: how an all-to-all travels: "auto", "native" or
+        "pairwise" (``jc.psum``'s ``all_to_all``).
       axis: the axis name for ``lax`` collectives (derived from ``axes``).
       size: the devices on the axes (derived from ``axes``).
     """
@@ -69,6 +103,7 @@ class Context:
     key: jax.Array | None
     div: int
     dep: Any = None
+    all_to_all: str = "auto"
     axis: Any = dataclasses.field(init=False)
     size: int = dataclasses.field(init=False)
 
@@ -100,6 +135,10 @@ class Algorithm:
     #: Whether it compresses a reduced chunk again with the codec: a second
     #: compression under error feedback (``Codec.recompression``).
     recompresses: ClassVar[bool] = False
+    #: The codec rates (:class:`~jaxcomp.codecs.base.Rate`) ``jaxcomp.planning``
+    #: ranks this algorithm for; ``jc.psum`` may run it for others where it
+    #: can.
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset()
 
     def run(self, ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:
         """The all-reduce of this device's ``flat`` tensor.
@@ -169,6 +208,44 @@ class Algorithm:
         ops = self.operand_nbytes(codec, n, dtype, axes)
         return sum((_sent(kind, b, axes.size) for kind, b in ops.items()), 0.0)
 
+    def collectives(
+        self, codec: Codec, n: int, dtype: Any, axes: Axes, bits: float | None = None
+    ) -> list[Collective]:
+        """The collectives of one all-reduce of ``n`` values (more than one
+        device), in program order, with this device's operand bytes.
+
+        ``bits``: for variable-rate codecs, the payload bits per element
+        the data needs, which pick the capacity tier a payload travels in
+        (:func:`~jaxcomp.collectives._tiers.tier_nbytes`); None: the largest
+        tier. By default the collectives of :meth:`operand_nbytes`, for
+        codecs whose payloads have a fixed size.
+        """
+        if codec.rate is Rate.VARIABLE:
+            raise ValueError(f"jc.collectives: {self.name!r} does not take {codec!r}")
+        return [
+            Collective(kind, b) for kind, b in self.operand_nbytes(codec, n, dtype, axes).items()
+        ]
+
+    def kernel_calls(self, codec: Codec, n: int, dtype: Any, axes: Axes) -> list[KernelCall]:
+        """The encodes and decodes one device runs in an all-reduce of ``n``
+        values (more than one device), as the compiled program has them
+        (tests/test_planning.py counts its custom calls)."""
+        raise NotImplementedError
+
+    def compressed_values(self, n: int, axes: Axes) -> int:
+        """Values this device's first compression encodes (what error
+        feedback decodes as its own payload): by default the tensor's."""
+        return n
+
+    def label(self, codec: Codec, n: int, axes: Axes) -> str:
+        """How a table of algorithms names this one for ``n`` values."""
+        return self.name
+
+    def compressor(self, codec: Codec, n: int, axes: Axes) -> Algorithm:
+        """The algorithm whose compression of ``n`` values this is (what an
+        accuracy measurement of the codec with it holds for): itself."""
+        return self
+
     def recompression_warning(self, codec: Codec) -> str | None:
         """Why ``codec`` should not be trained with error feedback through
         this algorithm, or None."""
@@ -194,6 +271,11 @@ def names() -> tuple[str, ...]:
     """The names ``algorithm=`` takes: "auto", then every registered
     algorithm's, in registration order."""
     return ("auto", *_REGISTRY)
+
+
+def registered() -> tuple[Algorithm, ...]:
+    """Every registered algorithm, in registration order."""
+    return tuple(_REGISTRY.values())
 
 
 def get(name: str) -> Algorithm | None:
@@ -319,6 +401,26 @@ def send_nbytes(codec: Codec, n: int, dtype: Any, axes: Axes, algorithm: str = "
         return 0.0
     alg = resolve(codec, n, axes, algorithm, "jc.collectives.send_nbytes")
     return alg.send_nbytes(codec, n, dtype, axes)
+
+
+def collectives(
+    codec: Codec, n: int, dtype: Any, axes: Axes, algorithm: str, bits: float | None = None
+) -> list[Collective]:
+    """:meth:`Algorithm.collectives` by ``algorithm`` over ``axes``; none
+    on one device."""
+    if not axes.hierarchical and axes.size == 1:
+        return []
+    alg = resolve(codec, n, axes, algorithm, "jc.collectives.collectives")
+    return alg.collectives(codec, n, dtype, axes, bits)
+
+
+def kernel_calls(codec: Codec, n: int, dtype: Any, axes: Axes, algorithm: str) -> list[KernelCall]:
+    """:meth:`Algorithm.kernel_calls` by ``algorithm`` over ``axes``; one
+    device encodes and decodes once."""
+    if not axes.hierarchical and axes.size == 1:
+        return [KernelCall("encode", n, codec), KernelCall("decode", n, codec)]
+    alg = resolve(codec, n, axes, algorithm, "jc.collectives.kernel_calls")
+    return alg.kernel_calls(codec, n, dtype, axes)
 
 
 def uncompressed_send_nbytes(nbytes: int, axis_size: int) -> float:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from jaxcomp.collectives._algorithm import Algorithm, register
+from jaxcomp.codecs.base import Rate
+from jaxcomp.collectives._algorithm import Algorithm, Collective, KernelCall, register
 from jaxcomp.collectives._decode import decode_own, decode_sum
 from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._order import after
-from jaxcomp.collectives._tiers import transfer
+from jaxcomp.collectives._tiers import tier_nbytes, transfer
 
 # Up to this many devices, codecs whose second compression is "coarse" go
 # through allgather: (P - 1) C(n) bytes per device against about 2 C(n) for
@@ -27,6 +28,7 @@ class Allgather(Algorithm):
 
     name: ClassVar[str] = "allgather"
     auto_rank: ClassVar[int | None] = 2
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.FIXED, Rate.VARIABLE})
 
     def run(self, ctx, flat, state):
         p = ctx.codec.encode(flat, ctx.key)
@@ -57,3 +59,16 @@ class Allgather(Algorithm):
 
     def operand_nbytes(self, codec, n, dtype, axes):
         return {"all-gather": codec.wire_nbytes((n,), dtype)}
+
+    def collectives(self, codec, n, dtype, axes, bits=None):
+        """A variable-rate payload travels in the capacity tier a ``pmax``
+        (a 4-byte all-reduce) agreed on."""
+        if codec.rate is Rate.VARIABLE:
+            tier = tier_nbytes(codec, n, dtype, bits)
+            return [Collective("all-reduce", 4), Collective("all-gather", tier)]
+        return super().collectives(codec, n, dtype, axes, bits)
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        """Encode the tensor; decode all P payloads (a decode-and-sum
+        kernel, or decoded rows then summed)."""
+        return [KernelCall("encode", n, codec), KernelCall("decode", axes.size * n, codec)]

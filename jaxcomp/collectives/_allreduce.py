@@ -8,7 +8,7 @@ from typing import ClassVar
 from jax import lax
 
 from jaxcomp.codecs.base import Rate
-from jaxcomp.collectives._algorithm import Algorithm, register
+from jaxcomp.collectives._algorithm import Algorithm, KernelCall, register
 from jaxcomp.collectives._decode import decode_f32, decode_own
 from jaxcomp.collectives._exchange import record
 
@@ -22,6 +22,7 @@ class AllReduce(Algorithm):
 
     name: ClassVar[str] = "allreduce"
     auto_rank: ClassVar[int | None] = 0
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.LINEAR})
 
     def run(self, ctx, flat, state):
         codec = ctx.codec
@@ -42,3 +43,6 @@ class AllReduce(Algorithm):
 
     def operand_nbytes(self, codec, n, dtype, axes):
         return {"all-reduce": codec.wire_nbytes((n,), dtype)}
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        return [KernelCall("encode", n, codec), KernelCall("decode", n, codec)]

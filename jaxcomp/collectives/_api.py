@@ -17,6 +17,7 @@ from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec, as_codec
 from jaxcomp.collectives import _algorithm
 from jaxcomp.collectives._algorithm import Context
+from jaxcomp.collectives._exchange import check_all_to_all
 from jaxcomp.collectives._keys import device_key
 
 
@@ -78,29 +79,39 @@ def _check_state(state, codec: Codec, n: int, dtype, axes: Axes, algorithm: str)
     return state
 
 
-def _prepare(x, axis_name, codec, key, algorithm, mean: bool, state, dep=None):
+def _prepare(x, axis_name, codec, key, algorithm, mean: bool, state, dep=None, a2a="auto"):
     """The checked input, flat, its state and the call's context."""
     if algorithm not in _algorithm.names():
         raise ValueError(
             f"jc.psum: algorithm must be one of {_algorithm.names()}, got {algorithm!r}"
         )
+    check_all_to_all(a2a, "jc.psum")
     codec = as_codec(codec, "jc.psum")  # a codec, its class or its spec string
     x = codec.check_input(x)
     flat = x.reshape(-1)
     axes = _bind(axis_name, algorithm)
     state = _check_state(state, codec, flat.size, x.dtype, axes, algorithm)
-    ctx = Context(codec, axes, device_key(codec, key, axes), axes.size if mean else 1, dep)
+    ctx = Context(codec, axes, device_key(codec, key, axes), axes.size if mean else 1, dep, a2a)
     return x, flat, state, ctx
 
 
-def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state) -> Reduced:
-    x, flat, state, ctx = _prepare(x, axis_name, codec, key, algorithm, mean, state)
+def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state, a2a) -> Reduced:
+    x, flat, state, ctx = _prepare(x, axis_name, codec, key, algorithm, mean, state, None, a2a)
     total, sent, state = _algorithm.all_reduce(ctx, flat, algorithm, state)
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape), state)
 
 
 def pmean_kept(
-    x, residual, axis_name, codec, *, key=None, algorithm="auto", state=None, after=None
+    x,
+    residual,
+    axis_name,
+    codec,
+    *,
+    key=None,
+    algorithm="auto",
+    state=None,
+    after=None,
+    all_to_all="auto",
 ):
     """``pmean(x + residual)`` under error feedback, for
     ``jc.optax.compress_gradients``: ``(value, kept, state)``, ``kept`` the
@@ -112,8 +123,11 @@ def pmean_kept(
     kernel where it has one on the CPU, so neither the sum nor what this
     device sent is written out. The first collective waits for ``after``
     (:func:`~jaxcomp.collectives.after`), tied where it costs least: the
-    payload of a one-pass compression, else the sum that is formed."""
-    x, flat, state, ctx = _prepare(x, axis_name, codec, key, algorithm, True, state, after)
+    payload of a one-pass compression, else the sum that is formed.
+    ``all_to_all``: as in :func:`psum`."""
+    x, flat, state, ctx = _prepare(
+        x, axis_name, codec, key, algorithm, True, state, after, all_to_all
+    )
     total, kept, state = _algorithm.all_reduce_feedback(ctx, flat, residual, algorithm, state)
     return total.astype(x.dtype), kept, state
 
@@ -126,6 +140,7 @@ def psum(
     key: jax.Array | None = None,
     algorithm: str = "auto",
     state: jax.Array | None = None,
+    all_to_all: str = "auto",
 ) -> Reduced:
     """Compressed sum of ``x`` over the mesh axis ``axis_name``.
 
@@ -150,13 +165,31 @@ def psum(
         "two_phase", "ring", "sparse", "allreduce" or "hierarchical".
       state: None, or this device's server residual: float32 of
         :func:`state_size` elements, in units of the sum.
+      all_to_all: how the all-to-all of ``two_phase`` and the split
+        ``sparse`` algorithm travels: "native" (XLA's ``all_to_all``),
+        "pairwise" (``P - 1`` rounds of ``ppermute``, one flow per device
+        at a time: the same bytes, the same bits arrive) or "auto", the
+        default: pairwise where the devices belong to several processes of
+        the CPU backend (collectives over TCP, where the all-to-all's
+        ``P - 1`` flows at once overflow shallow queues), native elsewhere
+        (docs/collectives.md, "How the all-to-all travels").
+        ``jc.optax.compress_gradients`` uses "auto".
     Returns:
       :class:`Reduced` (value, sent, state).
     """
-    return _all_reduce(x, axis_name, codec, key, algorithm, mean=False, state=state)
+    return _all_reduce(x, axis_name, codec, key, algorithm, False, state, all_to_all)
 
 
-def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto", state=None) -> Reduced:
+def pmean(
+    x,
+    axis_name,
+    codec: Codec,
+    *,
+    key=None,
+    algorithm: str = "auto",
+    state=None,
+    all_to_all: str = "auto",
+) -> Reduced:
     """Compressed mean of ``x`` over the mesh axis ``axis_name``.
 
     Like :func:`psum`, with the sum divided by the number of devices before
@@ -170,19 +203,21 @@ def pmean(x, axis_name, codec: Codec, *, key=None, algorithm: str = "auto", stat
         device).
       algorithm: as in :func:`psum`.
       state: as in :func:`psum`, in units of the mean.
+      all_to_all: as in :func:`psum`.
     Returns:
       :class:`Reduced`: ``value`` the mean, ``sent`` (as in :func:`psum`)
       this device's compressed contribution to the *sum*, ``state`` the new
       server residual (or None).
     """
-    return _all_reduce(x, axis_name, codec, key, algorithm, mean=True, state=state)
+    return _all_reduce(x, axis_name, codec, key, algorithm, True, state, all_to_all)
 
 
-def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
-    """The rule behind ``algorithm="auto"`` (one axis): what trains best at
-    the fewest bytes, per codec (the table in docs/collectives.md). Each
-    algorithm declares its part (``Algorithm.chosen``); they are asked in
-    this order:
+def choose_algorithm(codec: Codec, n: int, axis_size) -> str:
+    """The rule behind ``algorithm="auto"``: what trains best at the fewest
+    bytes, per codec (the table in docs/collectives.md). ``(slow, fast)``
+    axes take the algorithm of two axes (``hierarchical``); over one axis
+    each algorithm declares its part (``Algorithm.chosen``), and they are
+    asked in this order:
 
     - Linear codecs (``Rate.LINEAR``, e.g. Identity): ``allreduce``, one
       ``psum`` of the payloads.
@@ -204,11 +239,11 @@ def choose_algorithm(codec: Codec, n: int, axis_size: int) -> str:
     Args:
       codec: the codec.
       n: elements of the tensor.
-      axis_size: devices on the axis.
+      axis_size: devices on the axis, or ``(slow, fast)`` sizes.
     Returns:
       The algorithm's name.
     """
-    return _algorithm.choose(codec, n, Axes((axis_size,))).name
+    return _algorithm.choose(codec, n, Axes.of_sizes(axis_size)).name
 
 
 def recompression_warning(codec: Codec, algorithm: str) -> str | None:

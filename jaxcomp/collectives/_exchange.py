@@ -9,7 +9,6 @@ A collective is named by its kind, as the compiled HLO names it and as
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable, Iterator
 
 import jax
@@ -52,36 +51,44 @@ def pairwise(a: jax.Array, axis) -> jax.Array:
     return jnp.take(jnp.stack(got), (me - jnp.arange(size)) % size, axis=0)
 
 
-def _all_to_all(a: jax.Array, axis) -> jax.Array:
-    """The all-to-all of row ``j`` of ``a`` to device ``j``, XLA's own or
-    :func:`pairwise`, as ``JAXCOMP_ALL_TO_ALL`` says ("native",
-    "pairwise"; unset or "auto": pairwise where the devices belong to
-    several processes of the CPU backend, whose collectives go over TCP;
-    XLA's elsewhere), read when the program is traced."""
-    how = os.environ.get("JAXCOMP_ALL_TO_ALL", "auto").strip().lower() or "auto"
-    if how not in ("auto", "native", "pairwise"):
-        raise ValueError(f"JAXCOMP_ALL_TO_ALL={how!r}: expected auto, native or pairwise")
+#: How the all-to-all may travel (``jc.psum``'s ``all_to_all``).
+ALL_TO_ALL = ("auto", "native", "pairwise")
+
+
+def check_all_to_all(how: str, who: str) -> str:
+    """``how``, one of :data:`ALL_TO_ALL`, or a ValueError from ``who``."""
+    if how not in ALL_TO_ALL:
+        raise ValueError(f"{who}: all_to_all must be one of {ALL_TO_ALL}, got {how!r}")
+    return how
+
+
+def _all_to_all(how: str) -> Callable[[jax.Array, object], jax.Array]:
+    """The all-to-all of row ``j`` of an array to device ``j``: XLA's own
+    ("native") or :func:`pairwise`; "auto" is pairwise where the devices
+    belong to several processes of the CPU backend, whose collectives go
+    over TCP (docs/collectives.md, "How the all-to-all travels"), XLA's
+    elsewhere."""
     if how == "auto":
         how = "pairwise" if jax.process_count() > 1 and jax.default_backend() == "cpu" else "native"
     if how == "pairwise":
-        return pairwise(a, axis)
-    return lax.all_to_all(a, axis, 0, 0)
+        return pairwise
+    return lambda a, axis: lax.all_to_all(a, axis, 0, 0)
 
 
-# The data-moving collective of each kind, over one axis.
+# The data-moving collective of each kind but the all-to-all, over one axis.
 _MOVES: dict[str, Callable[[jax.Array, object], jax.Array]] = {
     "all-gather": lambda a, axis: lax.all_gather(a, axis),
-    "all-to-all": _all_to_all,
     "collective-permute": _to_next,
 }
 
 
-def collective(kind: str, axis) -> Callable[[jax.Array], jax.Array]:
+def collective(kind: str, axis, all_to_all: str = "auto") -> Callable[[jax.Array], jax.Array]:
     """The data-moving collective ``kind`` over ``axis``, on one array:
     all-gather (every device's operand to every device, stacked), all-to-all
-    (row j of the operand to device j) or collective-permute (to the next
-    device of the ring)."""
-    move = _MOVES[kind]
+    (row j of the operand to device j, as ``all_to_all`` says, one of
+    :data:`ALL_TO_ALL`) or collective-permute (to the next device of the
+    ring)."""
+    move = _all_to_all(all_to_all) if kind == "all-to-all" else _MOVES[kind]
     return lambda a: move(a, axis)
 
 
@@ -122,7 +129,7 @@ def record(kind: str, arrays) -> None:
 # ---------------------------------------------------------------------------
 # Payloads through a collective, as raw bits
 # ---------------------------------------------------------------------------
-def exchange(payload: Payload, kind: str, axis) -> Payload:
+def exchange(payload: Payload, kind: str, axis, all_to_all: str = "auto") -> Payload:
     """Applies the data-moving collective ``kind`` over ``axis`` to a
     payload, moving raw bits.
 
@@ -131,9 +138,10 @@ def exchange(payload: Payload, kind: str, axis) -> Payload:
     whose arrays are stacked per destination): one collective instead of
     one per array, since each collective costs a rendezvous of every
     process on top of its bytes (docs/benchmarks.md, "Compressed all-reduce
-    over emulated links", measured both ways).
+    over emulated links", measured both ways). ``all_to_all``: as in
+    :func:`collective`.
     """
-    op = collective(kind, axis)
+    op = collective(kind, axis, all_to_all)
     record(kind, payload.arrays.values())
     arrays = payload.arrays
     if len(arrays) == 1:

@@ -10,8 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxcomp.codecs.base import Rate
 from jaxcomp.collectives import _algorithm
-from jaxcomp.collectives._algorithm import Algorithm, register, uncompressed_send_nbytes
+from jaxcomp.collectives._algorithm import (
+    Algorithm,
+    Collective,
+    register,
+    uncompressed_send_nbytes,
+)
 from jaxcomp.collectives._chunks import chunked
 from jaxcomp.collectives._order import after
 
@@ -30,6 +36,7 @@ class Hierarchical(Algorithm):
     name: ClassVar[str] = "hierarchical"
     num_axes: ClassVar[int] = 2
     auto_rank: ClassVar[int | None] = 0
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset(Rate)
 
     def run(self, ctx, flat, state):
         slow, fast = ctx.axes.slow, ctx.axes.fast
@@ -97,6 +104,35 @@ class Hierarchical(Algorithm):
         return uncompressed_send_nbytes(4 * n, axes.fast.size) + _algorithm.send_nbytes(
             codec, chunk, dtype, axes.slow
         )
+
+    def collectives(self, codec, n, dtype, axes, bits=None):
+        """The float32 reduce-scatter and all-gather over the fast axis
+        (axis 1) around the slow stage's collectives (axis 0), the
+        algorithm ``auto`` picks for a ``ceil(n / fast)`` chunk."""
+        m = _chunk(n, axes)
+        slow = _algorithm.collectives(codec, m, dtype, axes.slow, "auto", bits)
+        return [
+            Collective("reduce-scatter", 4 * axes.fast.size * m, axis=1),
+            *slow,
+            Collective("all-gather", 4 * m, axis=1),
+        ]
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        """The slow stage's, on one chunk."""
+        return _algorithm.kernel_calls(codec, _chunk(n, axes), dtype, axes.slow, "auto")
+
+    def compressed_values(self, n, axes):
+        """The node-summed chunk of the slow stage."""
+        return _chunk(n, axes)
+
+    def label(self, codec, n, axes):
+        """With the slow stage's algorithm: "hierarchical(two_phase)"."""
+        return f"{self.name}({self.compressor(codec, n, axes).name})"
+
+    def compressor(self, codec, n, axes):
+        """The slow stage's algorithm, which compresses the node-summed
+        chunks (the fast stage is float32)."""
+        return _algorithm.choose(codec, _chunk(n, axes), axes.slow)
 
 
 def _chunk(n: int, axes) -> int:

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.collectives._algorithm import Algorithm, Context, register
+from jaxcomp.codecs.base import Rate
+from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._chunks import chunked
 from jaxcomp.collectives._decode import decode_f32, decode_own
 from jaxcomp.collectives._feedback import compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
-from jaxcomp.collectives._tiers import own_capacity, transfer
+from jaxcomp.collectives._tiers import own_capacity, tier_nbytes, transfer
 from jaxcomp.payload import Payload
 
 
@@ -36,10 +37,16 @@ class Ring(Algorithm):
     lands in a tensor of another scale; the input is divided by ``div``
     first, so every row is in the result's units, and ``sent`` is the input
     itself. Without one, every step's error is charged to the sender's
-    ``sent`` (one-level error feedback). Never chosen by ``auto``."""
+    ``sent`` (one-level error feedback). Never chosen by ``auto``, which
+    does not know the transport; ranked by ``jaxcomp.planning``."""
 
     name: ClassVar[str] = "ring"
     recompresses: ClassVar[bool] = True
+    # Ranked by the planner, which prices its hops, its P compressions and
+    # XLA:CPU's copy of its accumulator at every hop within 18% of every
+    # measured ring all-reduce (benchmarks/plan_check.py); where the
+    # all-to-all is slow it wins (bf16 at 100 Mbit, docs/collectives.md).
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.FIXED, Rate.VARIABLE})
 
     def run(self, ctx, flat, state):
         me = lax.axis_index(ctx.axis)
@@ -76,6 +83,26 @@ class Ring(Algorithm):
         p = axes.size
         chunk = codec.wire_nbytes((-(-n // p) if n else 0,), dtype)
         return {"collective-permute": 2 * (p - 1) * chunk}
+
+    def collectives(self, codec, n, dtype, axes, bits=None):
+        """Its ``2 (P - 1)`` hops, one collective-permute each (a
+        variable-rate payload in the capacity tier a ``pmax`` agreed on
+        before each hop)."""
+        p = axes.size
+        hops = 2 * (p - 1)
+        if codec.rate is Rate.VARIABLE:
+            tier = tier_nbytes(codec, -(-n // p), dtype, bits)
+            return [Collective("all-reduce", 4), Collective("collective-permute", tier)] * hops
+        chunk = self.operand_nbytes(codec, n, dtype, axes)["collective-permute"] / hops
+        return [Collective("collective-permute", chunk)] * hops
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        """P encodes of a chunk (the P - 1 scatter-reduce hops and the
+        owner's) and 2P - 1 decodes (every received hop, and the owner's
+        own)."""
+        p = axes.size
+        c = -(-n // p)
+        return [KernelCall("encode", c, codec)] * p + [KernelCall("decode", c, codec)] * (2 * p - 1)
 
 
 def _hop(ctx: Context, p: Payload) -> tuple[jax.Array, Payload]:

@@ -25,7 +25,7 @@ from jax import lax
 
 from jaxcomp.codecs.base import Codec, Rate, index_dtype
 from jaxcomp.codecs.identity import Identity
-from jaxcomp.collectives._algorithm import Algorithm, Context, register
+from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._decode import decode_own, decode_rows
 from jaxcomp.collectives._exchange import as_bits, collective, exchange, record
 from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
@@ -77,6 +77,7 @@ class Sparse(Algorithm):
 
     name: ClassVar[str] = "sparse"
     auto_rank: ClassVar[int | None] = 1
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.SPARSE})
 
     def run(self, ctx, flat, state):
         _check(ctx.codec)
@@ -120,6 +121,29 @@ class Sparse(Algorithm):
         vc = codec.value_codec
         dense = c * np.dtype(dtype).itemsize if vc is None else vc.wire_nbytes((c,), dtype)
         return {"all-to-all": size * codec.entries(n) * pair, "all-gather": dense}
+
+    def collectives(self, codec, n, dtype, axes, bits=None):
+        """The split algorithm's pairs travel in the tier a ``pmax`` (a
+        4-byte all-reduce) agreed on; counted here at the largest."""
+        out = [
+            Collective(kind, b) for kind, b in self.operand_nbytes(codec, n, dtype, axes).items()
+        ]
+        if static_fits(codec, n, dtype, axes.size):
+            return out
+        return [Collective("all-reduce", 4), *out]
+
+    def kernel_calls(self, codec, n, dtype, axes):
+        """The top-k selection (XLA sums the pairs), and for the split
+        algorithm the dense stage's ``value_codec`` where it has one."""
+        vc = codec.value_codec
+        if vc is None or static_fits(codec, n, dtype, axes.size):
+            return [KernelCall("encode", n, codec)]
+        c = _owned_len(n, axes.size)
+        return [
+            KernelCall("encode", n, codec),
+            KernelCall("encode", c, vc),
+            KernelCall("decode", axes.size * c, vc),
+        ]
 
 
 def scatter_add(indices: jax.Array, values: jax.Array, n: int) -> jax.Array:
@@ -204,7 +228,7 @@ def _reduce_scatter_pairs(ctx: Context, p: Payload, c: int, dtype) -> jax.Array:
         def run(_):
             local, v = _route(idx, vals, start, end, c, size, cap, dtype)
             record("all-to-all", (local, v))
-            to_owner = collective("all-to-all", ctx.axis)
+            to_owner = collective("all-to-all", ctx.axis, ctx.all_to_all)
             gi = to_owner(local)
             gv = to_owner(as_bits(v))
             gv = lax.bitcast_convert_type(gv, dtype) if gv.dtype != dtype else gv
