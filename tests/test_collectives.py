@@ -749,16 +749,3 @@ def test_all_to_all_argument_is_checked(mesh):
     fn = functools.partial(jcc.pmean, all_to_all="ring")
     with pytest.raises(ValueError, match="all_to_all must be one of"):
         _run(mesh, jc.codecs.QSGD(bits=4), "two_phase", jnp.ones((N_DEV, 64)), fn=fn)
-
-
-@pytest.mark.parametrize(
-    "name, value",
-    [("PIPELINE_MAX_DEPTH", 1), ("PIPELINE_MIN_VALUES", 1 << 18), ("pipeline_depth", None)],
-)
-def test_pipeline_names_are_deprecated(name, value):
-    with pytest.warns(DeprecationWarning, match=f"jc.collectives.{name} is deprecated"):
-        got = getattr(jcc, name)
-    if value is None:
-        assert got(jc.codecs.QSGD(bits=4), 1 << 24, 4) == 1
-    else:
-        assert got == value

@@ -22,8 +22,6 @@ when it is imported, as the package does below.
 
 from __future__ import annotations
 
-import warnings
-
 # Each algorithm registers itself when its module is imported; this order is
 # that of ALGORITHMS.
 # isort: off
@@ -88,28 +86,3 @@ __all__ = [
     "uncompressed_send_nbytes",
     "wire_log",
 ]
-
-
-def _one_segment(codec, n, size) -> int:
-    return 1
-
-
-# Names of a pipelined two-phase all-reduce that no longer exists: measured
-# on the CPU test bed it was slower than one segment (docs/collectives.md).
-_DEPRECATED = {
-    "PIPELINE_MAX_DEPTH": 1,
-    "PIPELINE_MIN_VALUES": 1 << 18,
-    "pipeline_depth": _one_segment,
-}
-
-
-def __getattr__(name: str):
-    if name in _DEPRECATED:
-        warnings.warn(
-            f"jc.collectives.{name} is deprecated and has no effect: the two-phase all-reduce "
-            "runs in one segment",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return _DEPRECATED[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
