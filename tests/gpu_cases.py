@@ -130,7 +130,10 @@ def decode_sum_codecs() -> list[Codec]:
     GPU "ffi" runs the CUDA one where ``cuda_decode_sum_kernel``, else the
     twin)."""
     return [
-        c for cls in jaxcomp.codecs.registered() if cls.decode_sum_kernel for c in cls.examples()
+        c
+        for cls in jaxcomp.codecs.registered()
+        if "decode_sum" in cls.kernels.cpu
+        for c in cls.examples()
     ]
 
 

@@ -217,15 +217,15 @@ def test_hierarchical_compresses_its_slow_stage_in_one_pass():
 
 
 def test_the_flags_name_the_kernels_the_sources_register():
-    """``feedback_kernel`` and ``cuda_feedback_kernel`` say which codecs'
-    one-pass targets the CPU and CUDA modules register (``backend="ffi"``
+    """``Codec.kernels`` says which codecs' one-pass targets the CPU and
+    CUDA modules register (``backend="ffi"``
     calls them, and a flag without its kernel would fail to lower), read
     from the sources, so that a kernel or a flag added alone fails here."""
     classes = {type(c) for c in CONTRACT_CODECS}
-    for attr, folder in (("feedback_kernel", "ffi"), ("cuda_feedback_kernel", "cuda")):
-        flagged = {c.name for c in classes if getattr(c, attr)}
-        assert flagged == registered_targets(folder, "encode_feedback"), attr
-    assert {c.name for c in classes if c.cuda_feedback_kernel} == {
+    for platform, folder in (("cpu", "ffi"), ("cuda", "cuda")):
+        flagged = {c.name for c in classes if "encode_feedback" in getattr(c.kernels, platform)}
+        assert flagged == registered_targets(folder, "encode_feedback"), platform
+    assert {c.name for c in classes if "encode_feedback" in c.kernels.cuda} == {
         "int8",
         "qsgd",
         "onebit",

@@ -90,11 +90,55 @@ def test_auto_lowers_the_kernels_the_rule_lists(codec, cuda_built):
         assert got == (encode("ffi") if "encode" in codec.cuda_auto else set())
 
 
-def test_the_rule_names_real_kernels():
-    """``cuda_auto`` lists only operations a codec has a CUDA kernel for."""
+def test_the_declarations_are_consistent():
+    """Each codec's ``kernels``: "auto" runs only CUDA kernels that exist,
+    every codec has its encode and decode on both platforms, and the flags
+    read from it agree with it."""
     for cls in jc.codecs.registered():
+        k = cls.kernels
+        assert k.cuda_auto <= k.cuda, cls
+        assert {"encode", "decode"} <= k.cpu and {"encode", "decode"} <= k.cuda, cls
         for codec in cls.examples():
-            ops = codec.cuda_auto
-            assert ops <= {"encode", "decode", "encode_feedback"}, codec
-            if "encode_feedback" in ops:
-                assert codec.cuda_feedback_kernel, codec
+            assert codec.cuda_auto <= k.cuda, codec
+            assert codec.decode_sum_kernel == ("decode_sum" in k.cpu), codec
+            assert codec.cuda_decode_sum_kernel == ("decode_sum" in k.cuda), codec
+            if codec.cuda_feedback_kernel:
+                assert codec.feedback_kernel and "encode_feedback" in k.cuda, codec
+
+
+def test_a_declaration_names_operations():
+    with pytest.raises(ValueError, match="unknown operations"):
+        jc.codecs.Kernels.of(cpu=("encode", "decode", "sum"))
+    with pytest.raises(ValueError, match="lists kernels CUDA lacks"):
+        jc.codecs.Kernels.of(cuda=("encode", "decode"), cuda_auto=("encode_feedback",))
+
+
+@pytest.mark.parametrize(
+    "backend, env, want",
+    [
+        ("auto", "auto", ("fused", False)),  # decode: the twin on GPUs
+        ("ffi", "auto", ("ffi", True)),
+        ("xla", "auto", ("xla", False)),
+        ("fused", "auto", ("fused", False)),
+        ("auto", "ffi", ("ffi", True)),
+        ("auto", "xla", ("xla", False)),
+        ("fused", "ffi", ("fused-ffi", False)),
+    ],
+)
+def test_route_resolves_backend_and_environment(backend, env, want, monkeypatch):
+    """``Codec.route``, the one place a kernel call is resolved: QSGD's
+    decode (a CUDA kernel that "auto" does not run) and its encode (one it
+    runs) under every backend and ``JAXCOMP_BACKEND``."""
+    monkeypatch.setenv("JAXCOMP_BACKEND", env)
+    codec = jc.codecs.QSGD(bits=4)
+    got = codec.route("decode", backend)
+    assert (str(got[0]), got[1]) == want
+    encode = codec.route("encode", backend)
+    if want[0] == "fused" and backend == "auto":
+        assert (str(encode[0]), encode[1]) == ("auto", True)
+    # A kernel CUDA lacks is never run there, even under "ffi".
+    onebit = jc.codecs.OneBit()
+    route = onebit.route("decode_sum", backend)
+    assert route[1] is False
+    if want[0] == "ffi":
+        assert str(route[0]) == "fused-ffi"

@@ -20,7 +20,7 @@ from jaxcomp import collectives as jcc
 DECODE_SUM_CODECS = [
     c
     for cls in jc.codecs.registered()
-    if cls.decode_sum_kernel
+    if "decode_sum" in cls.kernels.cpu
     for c in cls.examples(coverage=True)
 ]
 
@@ -61,18 +61,17 @@ def test_the_collectives_decode_sum_is_the_rows_sum(codec):
 
 
 def test_the_decode_sum_flags_name_the_kernels_the_sources_register():
-    """``decode_sum_kernel`` (the CPU module) and ``cuda_decode_sum_kernel``
-    say which codecs' ``decode_sum`` targets are compiled: a flag without
-    its target would fail at run time, a target without its flag would
-    never run."""
+    """``Codec.kernels`` says which codecs' ``decode_sum`` targets the CPU
+    and CUDA modules compile: a declaration without its target would fail
+    at run time, a target without its declaration would never run."""
     classes = jc.codecs.registered()
-    assert {c.name for c in classes if c.decode_sum_kernel} == registered_targets(
+    assert {c.name for c in classes if "decode_sum" in c.kernels.cpu} == registered_targets(
         "ffi", "decode_sum"
     )
-    assert {c.name for c in classes if c.cuda_decode_sum_kernel} == registered_targets(
+    assert {c.name for c in classes if "decode_sum" in c.kernels.cuda} == registered_targets(
         "cuda", "decode_sum"
     )
-    assert {c.name for c in classes if c.decode_sum_kernel} >= {
+    assert {c.name for c in classes if "decode_sum" in c.kernels.cpu} >= {
         "qsgd", "int8", "onebit", "signsgd", "natural", "fp8", "mx", "terngrad", "cast"
     }  # fmt: skip
 

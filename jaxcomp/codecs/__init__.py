@@ -10,6 +10,7 @@ tests/test_codec_contract.py.
 from jaxcomp.codecs.base import (
     BucketedCodec,
     Codec,
+    Kernels,
     Rate,
     SparseCodec,
     VariableRateCodec,
@@ -25,6 +26,7 @@ globals().update({cls.__name__: cls for cls in registered()})
 __all__ = [
     "BucketedCodec",
     "Codec",
+    "Kernels",
     "Rate",
     "SparseCodec",
     "VariableRateCodec",

@@ -35,7 +35,7 @@ import difflib
 import enum
 import re
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -317,6 +317,45 @@ def array(count: int, dtype: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct((int(count),), np.dtype(dtype))
 
 
+_OPS = frozenset({"encode", "decode", "decode_sum", "encode_feedback"})
+
+
+class Kernels(NamedTuple):
+    """Which FFI kernels a codec class has, on which platform, and which of
+    the CUDA ones ``backend="auto"`` runs: the one declaration that
+    :meth:`Codec.route` resolves every call by.
+
+    Operations: "encode", "decode", "decode_sum" (decode-and-accumulate of
+    stacked float32 payloads, :meth:`Codec.decode_sum`) and
+    "encode_feedback" (error feedback's compression in one pass,
+    :meth:`Codec.encode_feedback`). ``cpu`` and ``cuda`` name the kernels
+    the CPU and CUDA modules register (``jaxcomp_<name>_<op>``;
+    tests/test_feedback.py and tests/test_pipeline.py read them from the
+    sources); ``cuda_auto``, the CUDA kernels that "auto" runs on GPUs,
+    each measured faster there than the twin XLA compiles and fuses into its
+    neighbours (docs/gpu.md, "Kernel or twin on the GPU: the rule"). A new
+    codec's default: its CUDA encode and decode, until a GPU has timed them.
+    """
+
+    cpu: frozenset[str] = frozenset({"encode", "decode"})
+    cuda: frozenset[str] = frozenset({"encode", "decode"})
+    cuda_auto: frozenset[str] = frozenset({"encode", "decode"})
+
+    @classmethod
+    def of(cls, cpu=("encode", "decode"), cuda=("encode", "decode"), cuda_auto=None) -> Kernels:
+        """A declaration from any iterables (``cuda_auto`` default: ``cuda``'s
+        encode and decode); checks that the names are operations and that
+        "auto" runs only kernels that exist."""
+        cpu, cuda = frozenset(cpu), frozenset(cuda)
+        auto = cuda & {"encode", "decode"} if cuda_auto is None else frozenset(cuda_auto)
+        for name, ops in (("cpu", cpu), ("cuda", cuda), ("cuda_auto", auto)):
+            if not ops <= _OPS:
+                raise ValueError(f"Kernels.{name}: unknown operations {sorted(ops - _OPS)}")
+        if not auto <= cuda:
+            raise ValueError(f"Kernels.cuda_auto lists kernels CUDA lacks: {sorted(auto - cuda)}")
+        return cls(cpu, cuda, auto)
+
+
 @dataclasses.dataclass(frozen=True)
 class Codec:
     """Base class of every codec (see the module docstring for the protocol).
@@ -367,28 +406,62 @@ class Codec:
     #: False for codecs whose decode is a scan or a scatter (3LC's
     #: zero-run decoding, top-k's sparse pairs), which keep their kernel.
     elementwise_decode: ClassVar[bool] = True
-    #: Whether the CPU kernels have a decode-and-accumulate target,
-    #: ``jaxcomp_<name>_decode_sum`` (see :meth:`decode_sum`).
-    decode_sum_kernel: ClassVar[bool] = False
-    #: Whether the CUDA kernels have it too (else GPUs run the twin there:
-    #: the rows decoded, then summed).
-    cuda_decode_sum_kernel: ClassVar[bool] = False
-    #: Whether the CPU kernels have a fused error-feedback target,
-    #: ``jaxcomp_<name>_encode_feedback`` (see :meth:`encode_feedback`).
-    feedback_kernel: ClassVar[bool] = False
-    #: Whether the CUDA kernels have it too. ``backend="ffi"`` then runs it
-    #: on GPUs; "auto" runs it where :attr:`cuda_auto` says.
-    cuda_feedback_kernel: ClassVar[bool] = False
-    #: The CUDA kernels that ``backend="auto"`` runs on GPUs, by operation
-    #: ("encode", "decode", "encode_feedback"): each one measured faster
-    #: there than the twin that XLA compiles and fuses into its neighbours
-    #: (docs/gpu.md, "Kernel or twin on the GPU", with the figures). Every
-    #: other operation runs its twin on GPUs under "auto"; ``backend="ffi"``
-    #: runs any CUDA kernel the codec has. Error feedback's compression
-    #: (``compress_gradients``, the collectives' server residuals) runs the
-    #: one-pass kernel where "encode_feedback" is listed, else the sum, the
-    #: encode ("encode" listed: the CUDA kernel) and the fused decode.
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "decode"})
+    #: The FFI kernels of the class, by platform, and the CUDA ones
+    #: "auto" runs (:class:`Kernels`); :meth:`route` resolves every kernel
+    #: call by it.
+    kernels: ClassVar[Kernels] = Kernels()
+
+    @property
+    def cuda_auto(self) -> frozenset[str]:
+        """The CUDA kernels ``backend="auto"`` runs on GPUs
+        (``kernels.cuda_auto``; a codec whose measurements depend on its
+        configuration refines it here)."""
+        return self.kernels.cuda_auto
+
+    @property
+    def decode_sum_kernel(self) -> bool:
+        """Whether the CPU kernels have ``jaxcomp_<name>_decode_sum``."""
+        return "decode_sum" in self.kernels.cpu
+
+    @property
+    def cuda_decode_sum_kernel(self) -> bool:
+        """Whether the CUDA kernels have it too (else GPUs run the twin)."""
+        return "decode_sum" in self.kernels.cuda
+
+    @property
+    def feedback_kernel(self) -> bool:
+        """Whether this codec's :meth:`encode_feedback` has the one-pass CPU
+        kernel ``jaxcomp_<name>_encode_feedback``."""
+        return "encode_feedback" in self.kernels.cpu
+
+    @property
+    def cuda_feedback_kernel(self) -> bool:
+        """Whether it has the one-pass CUDA kernel too (``backend="ffi"``
+        runs it on GPUs; "auto" where :attr:`cuda_auto` lists it)."""
+        return self.feedback_kernel and "encode_feedback" in self.kernels.cuda
+
+    def route(self, op: str, backend: str) -> tuple[Backend, bool]:
+        """How a call of ``op`` runs under ``backend``: the backend
+        :func:`jaxcomp.ops._dispatch.dispatch` takes and whether it runs the
+        CUDA kernel on GPUs. The one place the declaration is resolved:
+
+        - "xla": the twins everywhere;
+        - "ffi" (or "auto" under ``JAXCOMP_BACKEND=ffi``): the kernel on
+          every platform that has one (required on the CPU); on GPUs the
+          twin where CUDA has none;
+        - "auto": the CPU kernel where built; on GPUs the CUDA kernel where
+          :attr:`cuda_auto` lists ``op``, else the twin;
+        - "fused": the CPU kernel where built, the twin on GPUs (which XLA
+          fuses into what consumes it: the collectives' decodes).
+        """
+        on_cuda = op in self.kernels.cuda and (op != "encode_feedback" or self.feedback_kernel)
+        resolved = resolve_backend(backend)
+        if resolved is Backend.FFI:
+            return (Backend.FFI if on_cuda else Backend.FUSED_FFI), on_cuda
+        if resolved is Backend.AUTO:
+            auto = on_cuda and op in self.cuda_auto
+            return (Backend.AUTO if auto else Backend.FUSED), auto
+        return resolved, False
 
     # -- to be provided by each codec ------------------------------------
     def arrays(self, n: int, dtype: Any) -> dict[str, jax.ShapeDtypeStruct]:
@@ -440,13 +513,14 @@ class Codec:
         return {}
 
     def _encode(self, flat: jax.Array, key: jax.Array | None, backend: str) -> Sequence[jax.Array]:
+        backend, cuda = self.route("encode", backend)
         return self.kernel(
             backend,
             f"jaxcomp_{self.name}_encode",
             self.twin_encode,
             (flat, self.seed(key)) if self.seeded else (flat,),
             self.arrays(flat.size, flat.dtype).values(),
-            cuda=self._cuda_rule("encode", backend),
+            cuda=cuda,
             **self.kernel_attrs(decode=False),
         )
 
@@ -457,21 +531,16 @@ class Codec:
             out = self.twin_decode(*arrays, n=payload.size, dtype=payload.dtype)
             return (ieee.canonical_nan(out),)
 
+        backend, cuda = self.route("decode", backend)
         return self.kernel(
             backend,
             f"jaxcomp_{self.name}_decode",
             twin,
             tuple(payload.arrays.values()),
             (self.output(payload),),
-            cuda=self._cuda_rule("decode", backend),
+            cuda=cuda,
             **self.kernel_attrs(decode=True),
         )[0]
-
-    def _cuda_rule(self, op: str, backend: str) -> bool | None:
-        """Whether ``backend`` runs ``op``'s CUDA kernel on GPUs by the
-        codec's rule (:attr:`cuda_auto`): for "auto"; None (dispatch's own
-        default) for the others ("fused" decodes with the twin there)."""
-        return (op in self.cuda_auto) if resolve_backend(backend) is Backend.AUTO else None
 
     @classmethod
     def examples(cls, *, coverage: bool = False) -> tuple[Codec, ...]:
@@ -759,20 +828,14 @@ class Codec:
 
         if not self.decode_sum_kernel:
             return add_rows(jax.vmap(lambda p: self.decode(p, backend=backend))(payloads))
-        if not self.cuda_decode_sum_kernel:
-            # The kernel is the CPU's: "ffi" requires it there, and "auto"
-            # runs it there; elsewhere both run the twin.
-            backend = (
-                Backend.FUSED_FFI
-                if backend == "ffi"
-                else resolve_backend("fused" if backend == "auto" else backend)
-            )
+        backend, cuda = self.route("decode_sum", backend)
         return self.kernel(
             backend,
             f"jaxcomp_{self.name}_decode_sum",
             twin,
             arrays,
             (jax.ShapeDtypeStruct((n,), jnp.float32),),
+            cuda=cuda,
             **self.kernel_attrs(decode=True),
         )[0]
 
@@ -827,18 +890,12 @@ class Codec:
         flat, res = x.reshape(-1), residual.reshape(-1)
         if not self.feedback_kernel:
             return self._feedback_by_calls(flat, res, key, backend, x.shape)
-        # The fused kernel is the CPU's: the "fused" backends run it there
-        # (required with "ffi") and the twin elsewhere; "ffi" runs the CUDA
-        # one where the codec has it.
-        if backend == "ffi":
-            backend = Backend.FFI if self.cuda_feedback_kernel else Backend.FUSED_FFI
-        else:
-            backend = resolve_backend("fused" if backend == "auto" else backend)
-        if backend is Backend.XLA:
-            return self._feedback_by_calls(flat, res, key, backend, x.shape)
-        return self._feedback_fused(flat, res, key, backend, x.shape)
+        resolved, cuda = self.route("encode_feedback", backend)
+        if resolved is Backend.XLA:
+            return self._feedback_by_calls(flat, res, key, resolved, x.shape)
+        return self._feedback_fused(flat, res, key, resolved, x.shape, cuda)
 
-    def _feedback_fused(self, flat, res, key, backend, shape):
+    def _feedback_fused(self, flat, res, key, backend, shape, cuda):
         """:meth:`encode_feedback` by the fused kernel where ``backend``
         runs it (the twins' three calls elsewhere)."""
         n = flat.size
@@ -856,7 +913,7 @@ class Codec:
             twin,
             (flat, res, self.seed(key)) if self.seeded else (flat, res),
             (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
-            cuda=self.cuda_feedback_kernel and "encode_feedback" in self.cuda_auto,
+            cuda=cuda,
             **self.kernel_attrs(decode=False),
         )
         payload = self.payload(tuple(outs[:-1]), shape, jnp.float32)

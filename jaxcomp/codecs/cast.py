@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import Codec, array, register
+from jaxcomp.codecs.base import Codec, Kernels, array, register
 
 _TARGETS = ("bfloat16", "float16")
 
@@ -36,8 +36,11 @@ class Cast(Codec):
 
     name: ClassVar[str] = "cast"
     codec_id: ClassVar[int] = 4
-    feedback_kernel: ClassVar[bool] = True
-    decode_sum_kernel: ClassVar[bool] = True
+    # jaxcomp_cast converts either way; the CPU module has the one-pass and
+    # decode-and-accumulate targets too.
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback")
+    )
 
     def __post_init__(self):
         if isinstance(self.dtype, str):
@@ -69,10 +72,11 @@ class Cast(Codec):
         return {"values": array(n, self.dtype)}
 
     def _encode(self, flat, key, backend):
-        return (cast(flat, self.dtype, backend=backend, cuda=self._cuda_rule("encode", backend)),)
+        backend, cuda = self.route("encode", backend)
+        return (cast(flat, self.dtype, backend=backend, cuda=cuda),)
 
     def _decode(self, payload, backend):
-        cuda = self._cuda_rule("decode", backend)
+        backend, cuda = self.route("decode", backend)
         return cast(payload["values"], payload.dtype, backend=backend, cuda=cuda)
 
     # The twins of encode_feedback's kernel (jaxcomp_cast_encode_feedback):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.codecs import _minifloat as mf
-from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, Kernels, array, check_bucket_size, register
 from jaxcomp.ops import bucket as bk
 
 _FORMATS = ("e4m3", "e5m2")
@@ -57,11 +57,13 @@ class FP8(BucketedCodec):
     name: ClassVar[str] = "fp8"
     codec_id: ClassVar[int] = 10
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
-    decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
+    # The kernels of ffi/fp8.cc and cuda/fp8.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "encode_feedback"),
+        cuda_auto=("encode", "encode_feedback"),
+    )
 
     def __post_init__(self):
         mf.format_named("FP8", "format", self.format, _FORMATS)

@@ -14,7 +14,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketedCodec, array, register
+from jaxcomp.codecs.base import BucketedCodec, Kernels, array, register
 from jaxcomp.ops import bucket as bk
 
 
@@ -35,11 +35,13 @@ class Int8(BucketedCodec):
 
     name: ClassVar[str] = "int8"
     codec_id: ClassVar[int] = 3
-    decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
+    # The kernels of ffi/int8.cc and cuda/int8.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "encode_feedback"),
+        cuda_auto=("encode", "encode_feedback"),
+    )
 
     def arrays(self, n, dtype):
         nb = self.num_buckets(n)

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomp.codecs import _minifloat as mf
-from jaxcomp.codecs.base import BucketedCodec, array, register
+from jaxcomp.codecs.base import BucketedCodec, Kernels, array, register
 from jaxcomp.ops import bucket as bk
 from jaxcomp.ops.packing import pack, unpack
 
@@ -77,9 +77,13 @@ class MX(BucketedCodec):
     name: ClassVar[str] = "mx"
     codec_id: ClassVar[int] = 11
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
-    decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
+    # The kernels of ffi/mx.cc and cuda/mx.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "encode_feedback"),
+        cuda_auto=("encode_feedback",),
+    )
 
     def __post_init__(self):
         mf.format_named("MX", "element", self.element, _ELEMENTS)

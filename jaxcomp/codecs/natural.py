@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, register
+from jaxcomp.codecs.base import BucketedCodec, Kernels, array, check_bucket_size, register
 from jaxcomp.ops import bucket as bk
 from jaxcomp.ops.rng import rng_bits
 
@@ -55,11 +55,13 @@ class Natural(BucketedCodec):
     name: ClassVar[str] = "natural"
     codec_id: ClassVar[int] = 6
     seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
-    decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode_feedback"})
+    # The kernels of ffi/natural.cc and cuda/natural.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "encode_feedback"),
+        cuda_auto=("encode_feedback",),
+    )
 
     def __post_init__(self):
         if not isinstance(self.stochastic, (bool, np.bool_)):

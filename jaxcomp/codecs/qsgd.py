@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketedCodec, array, check_bucket_size, check_int, register
+from jaxcomp.codecs.base import (
+    BucketedCodec,
+    Kernels,
+    array,
+    check_bucket_size,
+    check_int,
+    register,
+)
 from jaxcomp.ops import bucket as bk
 from jaxcomp.ops import ieee
 from jaxcomp.ops.packing import pack, unpack
@@ -57,12 +64,13 @@ class QSGD(BucketedCodec):
     codec_id: ClassVar[int] = 1
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
-    decode_sum_kernel: ClassVar[bool] = True
-    cuda_decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset({"encode", "encode_feedback"})
+    # The kernels of ffi/qsgd.cc and cuda/qsgd.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda_auto=("encode", "decode_sum", "encode_feedback"),
+    )
 
     @property
     def recompression(self) -> str:  # type: ignore[override]

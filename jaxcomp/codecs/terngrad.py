@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomp.codecs.base import BucketedCodec, array, num_buckets, register
+from jaxcomp.codecs.base import BucketedCodec, Kernels, array, num_buckets, register
 from jaxcomp.ops import bucket as bk
 from jaxcomp.ops import ieee, ternary
 from jaxcomp.ops.rng import rng_uniform
@@ -47,11 +47,13 @@ class TernGrad(BucketedCodec):
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
-    decode_sum_kernel: ClassVar[bool] = True
-    feedback_kernel: ClassVar[bool] = True
-    cuda_feedback_kernel: ClassVar[bool] = True
-    # The CUDA kernels "auto" runs, measured against the twins (docs/gpu.md).
-    cuda_auto: ClassVar[frozenset[str]] = frozenset()
+    # The kernels of ffi/terngrad.cc and cuda/terngrad.cu, and the CUDA ones "auto"
+    # runs, measured against the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(
+        cpu=("encode", "decode", "decode_sum", "encode_feedback"),
+        cuda=("encode", "decode", "encode_feedback"),
+        cuda_auto=(),
+    )
 
     def arrays(self, n, dtype):
         return {

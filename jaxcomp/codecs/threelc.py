@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxcomp.codecs.base import VariableRateCodec, array, check_int, register
+from jaxcomp.codecs.base import Kernels, VariableRateCodec, array, check_int, register
 from jaxcomp.ops import ieee, ternary
 from jaxcomp.payload import Payload
 
@@ -105,7 +105,9 @@ class ThreeLC(VariableRateCodec):
     name: ClassVar[str] = "threelc"
     codec_id: ClassVar[int] = 7
     elementwise_decode: ClassVar[bool] = False  # zero-run decoding is a scan
-    feedback_kernel: ClassVar[bool] = True
+    # The kernels of ffi/threelc.cc and cuda/threelc.cu: "auto" runs the CUDA
+    # encode and decode, faster than the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(cpu=("encode", "decode", "encode_feedback"))
 
     @property
     def recompression(self) -> str:  # type: ignore[override]
@@ -161,6 +163,7 @@ class ThreeLC(VariableRateCodec):
     def _encode(self, flat, key, backend):
         n = flat.size
         cap = self.stream_capacity(n)
+        backend, cuda = self.route("encode", backend)
         return self.kernel(
             backend,
             "jaxcomp_threelc_encode",
@@ -169,10 +172,12 @@ class ThreeLC(VariableRateCodec):
             self.arrays(n, flat.dtype).values(),
             scratch=(array(work_nbytes(n, cap), np.uint8),),
             sparsity_bits=sparsity_bits(self.sparsity),
+            cuda=cuda,
         )
 
     def _decode(self, payload, backend):
         n = payload.size
+        backend, cuda = self.route("decode", backend)
         return self.kernel(
             backend,
             "jaxcomp_threelc_decode",
@@ -180,9 +185,10 @@ class ThreeLC(VariableRateCodec):
             tuple(payload.arrays.values()),
             (self.output(payload),),
             scratch=(array(work_nbytes(n, payload["stream"].shape[0]), np.uint8),),
+            cuda=cuda,
         )[0]
 
-    def _feedback_fused(self, flat, res, key, backend, shape):
+    def _feedback_fused(self, flat, res, key, backend, shape, cuda=False):
         # The one-pass kernel (ffi/threelc.cc): the scale of acc = f32(x) +
         # residual, then its digits and new residual in one pass, then the
         # zero-run encoding; the twin is the three calls.
@@ -204,6 +210,7 @@ class ThreeLC(VariableRateCodec):
             (flat, res),
             (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
             scratch=(array(work_nbytes(n, cap), np.uint8),),
+            cuda=cuda,
             sparsity_bits=sparsity_bits(self.sparsity),
         )
         return self.payload(tuple(outs[:-1]), shape, jnp.float32), outs[-1].reshape(shape)

@@ -35,6 +35,7 @@ from jax import lax
 
 from jaxcomp.codecs.base import (
     Codec,
+    Kernels,
     Rate,
     SparseCodec,
     array,
@@ -149,6 +150,10 @@ class TopK(SparseCodec):
         )
         return users + more if coverage else users
 
+    # The kernels of ffi/topk.cc and cuda/topk.cu: "auto" runs the CUDA encode
+    # (a radix select) and decode, faster than the twins (docs/gpu.md).
+    kernels: ClassVar[Kernels] = Kernels.of(cpu=("encode", "decode", "encode_feedback"))
+
     @property
     def feedback_kernel(self) -> bool:  # type: ignore[override]
         """Whether :meth:`encode_feedback` has the one-pass CPU kernel:
@@ -202,21 +207,23 @@ class TopK(SparseCodec):
         k, bucket = self.selection(n)
         m = self.entries(n)
         results = (array(m, index_dtype(n if bucket == 0 else bucket)), array(m, flat.dtype))
+        routed, cuda = self.route("encode", backend)
         indices, values = self.kernel(
-            backend,
+            routed,
             "jaxcomp_topk_encode",
             lambda x: encode_ref(x, k, bucket),
             (flat,),
             results,
             k=k,
             bucket_size=bucket,
+            cuda=cuda,
         )
         if self.value_codec is None:
             return indices, values
         nested = self.value_codec.encode(values, key, backend=backend)
         return (indices, *nested.arrays.values())
 
-    def _feedback_fused(self, flat, res, key, backend, shape):
+    def _feedback_fused(self, flat, res, key, backend, shape, cuda=False):
         n = flat.size
         if n == 0:
             return self._feedback_by_calls(flat, res, key, backend, shape)
@@ -234,6 +241,7 @@ class TopK(SparseCodec):
             twin,
             (flat, res),
             (*layout.values(), jax.ShapeDtypeStruct((n,), jnp.float32)),
+            cuda=cuda,
             k=k,
             bucket_size=bucket,
         )
@@ -261,6 +269,7 @@ class TopK(SparseCodec):
         values = self.values(payload, backend=backend)
         if n == 0:
             return jnp.zeros((0,), payload.dtype)
+        backend, cuda = self.route("decode", backend)
         return self.kernel(
             backend,
             "jaxcomp_topk_decode",
@@ -269,6 +278,7 @@ class TopK(SparseCodec):
             (self.output(payload),),
             k=k,
             bucket_size=bucket,
+            cuda=cuda,
         )[0]
 
     def pairs(self, payload: Payload, *, backend: str = "auto") -> tuple[jax.Array, jax.Array]:

@@ -65,9 +65,7 @@ def compress_kept(
 
     # The key is an operand: each branch is traced where it is lowered.
     keys = () if key is None else (key,)
-    on_cuda = (
-        fused if codec.cuda_feedback_kernel and "encode_feedback" in codec.cuda_auto else calls
-    )
+    on_cuda = fused if codec.route("encode_feedback", "auto")[1] else calls
     return platform_dependent(x, kept, *keys, cpu=fused, cuda=on_cuda, default=calls)
 
 
