@@ -811,8 +811,12 @@ class Codec:
             return jnp.zeros((n,), jnp.float32)
 
         def add_rows(rows):
-            # Not fused into the sum: XLA could contract a decoded product
-            # and the add into an FMA, which the kernels never do.
+            # XLA's CPU code contracts a decoded product and the add it
+            # feeds into an FMA, which the kernels never do. The barrier
+            # keeps the rows out of the sum's fusion only where XLA keeps it
+            # until it fuses (jax 0.12; jax 0.10.2's XLA:CPU removes it
+            # first), so a twin decode must also give values that no
+            # contraction changes (Int8: int8.exact_parts).
             rows = lax.optimization_barrier(rows.reshape(-1, n).astype(jnp.float32))
             total = rows[0]
             for i in range(1, rows.shape[0]):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxcomp.codecs.base import BucketedCodec, Kernels, array, register
 from jaxcomp.ops import bucket as bk
@@ -58,5 +60,37 @@ class Int8(BucketedCodec):
 
     def twin_decode(self, q, scales, *, n, dtype):
         step = scales * (np.float32(1) / np.float32(127))  # int8.h: int8_step
-        values = q.reshape(-1, self.bucket_size).astype(jnp.float32) * step[:, None]
+        hi, lo = exact_parts(step)
+        qf = q.reshape(-1, self.bucket_size).astype(jnp.float32)
+        # int8.h: int8_value, q * step rounded once, as a sum of two exact
+        # products (exact_parts): XLA's CPU code contracts a product and
+        # the add it feeds into one FMA (a decode fused into a sum over
+        # rows, Codec.decode_sum, or into a residual), which would skip
+        # the product's rounding; a sum of exact products has none to skip.
+        values = qf * hi[:, None] + qf * lo[:, None]
         return bk.from_buckets(values, n, dtype)
+
+
+def exact_parts(step: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``step = hi + lo`` (float32, per bucket) such that ``q * hi`` and
+    ``q * lo`` are exact for every int8 ``q`` (or past float32's range, where
+    ``q * step`` is infinite too), whatever the CPU's flush of subnormals:
+    then ``q * hi + q * lo`` rounds once to ``q * step``, the
+    kernel's value, with or without a contraction into an FMA.
+
+    ``hi`` keeps ``step``'s top 17 significant bits and ``lo`` the other 7;
+    an int8 has at most 7 significant bits (-128 is -2^7), so both products
+    fit in float32's 24. Where
+    that split is not exact under XLA:CPU's flush of subnormal results
+    (``|step| < 2^-100``: ``q * lo`` could be subnormal while ``q * step`` is
+    not), or is empty (``lo == 0``), or ``step`` is not finite: ``hi = step``
+    and ``lo`` a zero of ``step``'s sign, so ``q * lo`` is a zero of
+    ``q * step``'s sign and adding it changes no bit (signed zeros and NaNs
+    included).
+    """
+    bits = lax.bitcast_convert_type(step, jnp.uint32)
+    hi = lax.bitcast_convert_type(bits & np.uint32(0xFFFFFF80), jnp.float32)
+    lo = step - hi  # exact: hi and step share their exponent
+    split = (jnp.abs(step) >= np.float32(2.0**-100)) & (jnp.abs(step) < np.inf) & (lo != 0)
+    signed_zero = lax.bitcast_convert_type(bits & np.uint32(0x80000000), jnp.float32)
+    return jnp.where(split, hi, step), jnp.where(split, lo, signed_zero)
