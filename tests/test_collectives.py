@@ -105,15 +105,12 @@ def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
         g = jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec, spec))
         return [np.asarray(a) for a in jax.jit(g)(x, KEY)]
 
-    from jaxcomp.collectives import _decode as _core
-    from jaxcomp.collectives import _decode as _util
+    from jaxcomp.collectives import _decode
 
     for c in codecs:
-        for module in (_util, _core):  # _core imported the name itself
-            monkeypatch.setattr(module, "fused_backend", lambda codec: "xla")
+        monkeypatch.setattr(_decode, "fused_backend", lambda codec: "xla")
         fused = run(c)
-        for module in (_util, _core):
-            monkeypatch.setattr(module, "fused_backend", lambda codec: "auto")
+        monkeypatch.setattr(_decode, "fused_backend", lambda codec: "auto")
         kernels = run(c)
         monkeypatch.undo()
         for a, b in zip(fused, kernels, strict=True):
@@ -132,16 +129,14 @@ def test_cpu_collectives_decode_with_the_kernels(mesh):
         g, _ = _run(mesh, codec, alg, x)
         return g.lower(x, KEY).compile().as_text()
 
-    from jaxcomp.collectives import _decode as _core
-    from jaxcomp.collectives import _decode as _util
+    from jaxcomp.collectives import _decode
 
     with pytest.MonkeyPatch.context() as m:
         # as a codec without a decode-and-sum kernel: the rows decoded, then summed
         m.setattr(type(codec), "decode_sum_kernel", False)
         for alg in ALGS:
             assert '"jaxcomp_terngrad_decode"' in hlo(alg), alg
-        for module in (_util, _core):
-            m.setattr(module, "fused_backend", lambda codec: "xla")
+        m.setattr(_decode, "fused_backend", lambda codec: "xla")
         assert "jaxcomp_terngrad_decode" not in hlo("two_phase")
 
 
