@@ -473,12 +473,36 @@ def coarse_for_adam(plan: Plan) -> tuple:
     )
 
 
-def record_init(plan: Plan) -> None:
+# jc.optax.relayout needs, for every compress_gradients state, the plan and
+# algorithm that lay its server residuals out, which its closure alone
+# knows: recorded the same way, in chain order (:func:`recording_plans`).
+PLAN_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomp_plan_records", default=None
+)
+
+
+def record_init(plan: Plan, algorithm: str = "auto", axis_name=None) -> None:
     """Called by every compress_gradients init: records the plan's coarse
-    codecs when ``jc.optax.init`` is listening (:func:`recording`)."""
+    codecs when ``jc.optax.init`` is listening (:func:`recording`), and
+    ``(plan, algorithm, axis_name)`` when ``jc.optax.relayout`` is
+    (:func:`recording_plans`)."""
     records = INIT_RECORDS.get()
     if records is not None:
         records.append(coarse_for_adam(plan))
+    plans = PLAN_RECORDS.get()
+    if plans is not None:
+        plans.append((plan, algorithm, axis_name))
+
+
+@contextlib.contextmanager
+def recording_plans():
+    """Within: the list the compress_gradients inits record their plans into."""
+    plans: list = []
+    token = PLAN_RECORDS.set(plans)
+    try:
+        yield plans
+    finally:
+        PLAN_RECORDS.reset(token)
 
 
 @contextlib.contextmanager

@@ -182,7 +182,8 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
 
     def init_fn(params) -> CompressState:
         plan = plan_for(gradient_shapes(params))
-        record_init(plan)  # for jc.optax.init's check of a coarse codec before Adam
+        # For jc.optax.init's check of a coarse codec before Adam, and relayout.
+        record_init(plan, config.algorithm, config.axis_name)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(config.seed)),
