@@ -182,6 +182,18 @@ def test_onto_a_two_level_mesh_and_back(shape):
     _train(tx, mesh8, "data", p2, flat, 1, t0=5)
 
 
+def test_init_records_the_chain_after_tx_init_was_traced():
+    """jc.optax.init (and relayout) learn the codecs of the chain while
+    tracing tx.init; a trace jax cached earlier must not hide them."""
+    tx = optax.chain(
+        jc.optax.compress_gradients(jc.codecs.QSGD(bits=2, bucket_size=32), "data"),
+        optax.adam(1e-3),
+    )
+    jax.eval_shape(tx.init, PARAMS)
+    with pytest.warns(RuntimeWarning, match="second moment"):
+        jc.optax.init(tx, PARAMS, _mesh((8,), ("data",)), "data")
+
+
 def test_a_state_of_another_optimizer_is_refused():
     _, opt_state, _ = saved_on_8()
     other = jc.optax.onebit_adam(1e-3, "data", warmup_steps=2)
