@@ -46,8 +46,10 @@ def relayout(  # long: the public docstring; the body walks the states
     ``opt_state`` held.
 
     What carries over, and the rule: the replicated leaves (step, PRNG key,
-    telemetry, ``onebit_adam``'s moments and freeze, PowerSGD's Q, DiLoCo's
-    anchor and outer state) as they are. The error-feedback residuals are
+    ``onebit_adam``'s moments and freeze, PowerSGD's Q, DiLoCo's anchor and
+    outer state) as they are; the telemetry's count of skipped steps and
+    residual norm (its byte figures are the new mesh's, as
+    ``jc.optax.init`` makes them). The error-feedback residuals are
     what every device still owes the mean: a device's residual enters its
     next sum and reaches the mean divided by the number of devices, and a
     server residual (two-level error feedback; in units of the mean) enters
@@ -161,7 +163,7 @@ class _Walker:
                 qs=self.same(old.qs, new.qs),
                 residuals=self.owed(old.residuals, new.residuals),
                 rest=jax.tree.map(self.node, old.rest, new.rest, is_leaf=_is_node),
-                telemetry=self.same(old.telemetry, new.telemetry),
+                telemetry=self.telemetry(old.telemetry, new.telemetry),
             )
         if isinstance(new, DiLoCoState):
             return new._replace(
@@ -171,7 +173,7 @@ class _Walker:
                 inner=jax.tree.map(self.averaged, old.inner, new.inner),
                 residual=self.owed(old.residual, new.residual),
                 key=self.same(old.key, new.key),
-                telemetry=self.same(old.telemetry, new.telemetry),
+                telemetry=self.telemetry(old.telemetry, new.telemetry),
             )
         if isinstance(new, optax.MultiStepsState):
             inner = jax.tree.map(
@@ -184,6 +186,14 @@ class _Walker:
                 )
             return rest._replace(inner_opt_state=inner)
         return self.same(old, new)
+
+    def telemetry(self, old, new):
+        """The new mesh's figures (bytes depend on the device count), with
+        the running count of skipped steps and the residuals' norm carried."""
+        return new._replace(
+            skipped_steps=self.same(old.skipped_steps, new.skipped_steps),
+            residual_norm=self.same(old.residual_norm, new.residual_norm),
+        )
 
     def same(self, old, new):
         """Replicated leaves, as they were."""
@@ -247,7 +257,7 @@ class _Walker:
             step=self.same(old.step, new.step),
             key=self.same(old.key, new.key),
             residuals=residuals,
-            telemetry=self.same(old.telemetry, new.telemetry),
+            telemetry=self.telemetry(old.telemetry, new.telemetry),
         )
 
     def server_owed(self, servers, plan, algorithm: str, axis_name) -> dict:
