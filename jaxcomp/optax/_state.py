@@ -495,22 +495,22 @@ def record_init(plan: Plan, algorithm: str = "auto", axis_name=None) -> None:
 
 
 @contextlib.contextmanager
-def recording_plans():
-    """Within: the list the compress_gradients inits record their plans into."""
-    plans: list = []
-    token = PLAN_RECORDS.set(plans)
-    try:
-        yield plans
-    finally:
-        PLAN_RECORDS.reset(token)
-
-
-@contextlib.contextmanager
-def recording():
-    """Within: the list the compress_gradients inits record into, in order."""
+def _listening(var: contextvars.ContextVar):
+    """Within: a new list that ``var`` holds, for the inits to append to."""
     records: list = []
-    token = INIT_RECORDS.set(records)
+    token = var.set(records)
     try:
         yield records
     finally:
-        INIT_RECORDS.reset(token)
+        var.reset(token)
+
+
+def recording_plans():
+    """Within: the list the compress_gradients inits record their
+    ``(plan, algorithm, axis_name)`` into, in order."""
+    return _listening(PLAN_RECORDS)
+
+
+def recording():
+    """Within: the list the compress_gradients inits record into, in order."""
+    return _listening(INIT_RECORDS)
