@@ -22,7 +22,10 @@ synchronizations, so the step lays the parameters out per replica (one
 copy per device, sharded over the data axis) and returns each device's
 loss; see docs/diloco.md.
 
-Two guards: the step refuses an optimizer whose update does not all-reduce
+Guards: the step refuses parameters laid out sharded over the devices
+(it trains replicated ones, and would gather them onto every device
+without a word; sharded training is not supported yet), refuses an
+optimizer whose update does not all-reduce
 the gradients (every device would silently train its own copy of
 parameters typed as replicated), and on XLA:CPU it keeps at most one step
 in flight (``max_in_flight``), because many steps dispatched ahead can
@@ -89,7 +92,11 @@ class DataParallel:
         non-parameter variables it sets (``nnx.BatchNorm``'s statistics)
         are averaged over the devices after the step (the floating-point
         ones; others, such as RNG counters, as device 0 left them) and
-        given to the next step.
+        given to the next step. The PRNG keys among those variables (an
+        ``nnx.Rngs`` the module holds, such as ``nnx.Dropout``'s) get the
+        device's index along the data axes folded in, so every device
+        draws its own dropout mask; the keys are kept as they were and the
+        streams' counters move on, so each step draws anew.
       tx: the optax chain; its all-reduce runs over ``axis_name``. The step
         raises (at its first call) if the update does not all-reduce the
         gradients: the replicated parameters would differ per device.
@@ -172,18 +179,24 @@ class DataParallel:
           params: a pytree of arrays, or a Flax NNX module (its ``nnx.Param``
             variables are trained, as a plain dict; the other variables,
             such as BatchNorm's statistics, are given to the loss with them
-            and kept by the step, see :meth:`module`).
+            and kept by the step, see :meth:`module`); host arrays, or
+            arrays on one device or replicated.
         Returns:
           ``(params, opt_state)``: the parameters replicated over the mesh and
           the state of ``jc.optax.init`` (per-device residuals sharded over
           the data axis).
+        Raises:
+          ValueError: a parameter (or NNX variable) is sharded over the
+            devices: the step would replicate it silently.
         """
         if _is_nnx_module(params):
             nnx = _nnx()
             graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+            _check_replicated((state, rest), "init")
             template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
             self._module = (graphdef, template, jax.device_put(rest, self.replicated))
             params = _to_pure_dict(nnx, state)
+        _check_replicated(params, "init")
         # A copy: the step donates its parameters, and must not delete the caller's.
         # (device_put may reuse the caller's buffer on one device).
         params = jax.device_put(params, self.replicated)
@@ -280,6 +293,8 @@ class DataParallel:
             self._step = self._build()
         if self._per_replica:
             self._check_per_replica(params)
+        else:
+            _check_replicated(params, "the step")
         rest = () if self._module is None else self._module[2]
         keys = () if key is None else (key,)  # jit traces each arity once
         self._wait_for_room()
@@ -376,6 +391,7 @@ class DataParallel:
             )
             if key is not None:
                 key = jax.random.fold_in(key, lax.axis_index(axes))
+            rest = _per_device_streams(rest, axes)
             if self.accumulate_steps == 1:
                 args = () if key is None else (key,)
                 (loss, (aux, rest)), grads = grad_fn(params, rest, batch, *args)
@@ -637,6 +653,32 @@ def _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps) -> tuple:
     return axes
 
 
+def _check_replicated(params, where: str) -> None:
+    """Raises for a parameter laid out sharded (any layout that is not a
+    full copy on every device): the step replicates the parameters, and
+    would otherwise gather it onto every device without a word."""
+
+    def sharded(x) -> bool:
+        sharding = getattr(x, "sharding", None)
+        return sharding is not None and not sharding.is_fully_replicated
+
+    if not any(sharded(x) for x in jax.tree.leaves(params)):
+        return  # every step: no paths computed unless one is sharded
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        if not sharded(x):
+            continue
+        spec = getattr(x.sharding, "spec", x.sharding)
+        raise ValueError(
+            f"jc.data_parallel: {where} got parameter {jax.tree_util.keystr(path)} sharded "
+            f"over the devices ({spec}), but the step trains replicated parameters (pure "
+            "data parallelism: every device holds the whole model) and would silently "
+            "gather it onto every device. Sharded (FSDP) training is not supported yet. "
+            "If the model fits on one device, replicate it yourself first: "
+            "jax.device_put(params, NamedSharding(mesh, P())); otherwise write the "
+            "shard_map step by hand (docs/training-loop.md)."
+        )
+
+
 def _to_pure_dict(nnx, state) -> dict:
     # nnx.to_pure_dict since flax 0.11; State.to_pure_dict before
     to_pure = getattr(nnx, "to_pure_dict", None)
@@ -654,6 +696,22 @@ def _reduce_metrics(out, axes):
         return lax.psum(x, axes)
 
     return jax.tree.map(reduce, out)
+
+
+def _per_device_streams(rest, axes):
+    """The NNX variables with the device's index along the data axes folded
+    into every PRNG key among them (the ``nnx.Rngs`` a module holds, such as
+    ``nnx.Dropout``'s), so that each device draws a stream of its own:
+    data parallelism with the same dropout mask on every device is another,
+    weaker regularizer. The step keeps the keys as they were (the loss only
+    advances the streams' counters), so every step folds the same keys."""
+
+    def fold(x):
+        if jnp.issubdtype(jnp.result_type(x), jax.dtypes.prng_key):
+            return jax.random.fold_in(x, lax.axis_index(axes))
+        return x
+
+    return jax.tree.map(fold, rest)
 
 
 def _average_mutated(rest, mutated: list, axes) -> list:

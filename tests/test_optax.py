@@ -226,6 +226,9 @@ def server_leaves(state, codec, algorithm="auto", axis_sizes=N_DEV, **tx_kw):
     for b, srv in zip(plan.buckets, cs.server_residuals, strict=True):
         pos = jc.collectives.state_positions(b.codec, b.size, b.dtype, axis_sizes, algorithm)
         vals = np.asarray(srv, np.float64)
+        if not pos.shape[1]:  # the algorithm keeps none: a placeholder row, always zero
+            assert vals.shape == (pos.shape[0], 1) and not vals.any()
+            continue
         assert vals.shape == pos.shape
         fused = np.zeros(b.size)
         np.add.at(fused, pos[pos >= 0], vals[pos >= 0])

@@ -10,7 +10,8 @@ how each step sends the gradients, and the state does not depend on them.
 matrix-shaped gradient (PowerSGD); ``diloco`` synchronizes the replicas every H steps only
 (DiLoCo), optionally through a codec with error feedback (SparseLoCo's
 decaying accumulator included); ``pmean`` is the uncompressed baseline
-(``lax.pmean`` of the gradients, with telemetry). See docs/training.md.
+(``lax.pmean`` of the gradients, with telemetry). ``relayout`` moves a
+saved state onto another number of devices or mesh. See docs/training.md.
 """
 
 from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
@@ -19,6 +20,7 @@ from jaxcomp.optax._diloco import DiLoCoState, diloco
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._pmean import PmeanState, pmean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
+from jaxcomp.optax._relayout import relayout
 from jaxcomp.optax._state import state_specs, telemetry
 from jaxcomp.optax._telemetry import Telemetry
 from jaxcomp.optax._transform import CompressState, compress_gradients
@@ -39,6 +41,7 @@ __all__ = [
     "onebit_adam",
     "pmean",
     "powersgd",
+    "relayout",
     "scale_by_onebit_adam",
     "state_specs",
     "telemetry",

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
 from optax import tree_utils as otu
 
 from jaxcomp.codecs.base import Rate
@@ -35,6 +36,19 @@ _WHO = "jc.optax.onebit_adam"
 # docs/training.md compares it with finer buckets.
 DEFAULT_CODEC = "onebit:bucket_size=256"
 SEND_MODES = ("auto", "momentum", "gradient")
+# The frozen variance of every element is at least this fraction of its
+# leaf's mean (an RMS gradient 10% of the leaf's), and at least its square
+# times the mean over all the parameters: below it, the codec's noise, which
+# every element of a bucket gets at the bucket's scale, divided by the
+# element's own near-zero variance, runs the parameter away
+# (docs/training.md, "A floor under the frozen variance").
+DEFAULT_VARIANCE_FLOOR = 1e-2
+# A leaf whose mean variance is below this fraction of the mean over all the
+# parameters (an RMS gradient under 0.1% of the model's) has none of its own
+# to scale a floor by (the key bias of an attention layer: every gradient
+# zero, or 1e-12 of the model's): it is floored at the overall mean's
+# fraction. A leaf whose gradients are merely small keeps its own scale.
+NO_VARIANCE = 1e-6
 
 
 class OneBitAdamState(NamedTuple):
@@ -166,10 +180,50 @@ def common_momentum(mean, mu, full: list[bool], b1):
     )
 
 
-def next_moments(mean, state: OneBitAdamState, frozen_mu, ok, in_warmup, adam: AdamHyperparams):
+def floored_variance(nu, floor):
+    """``nu`` with every element raised to at least ``floor`` times the mean
+    of its leaf; a leaf whose mean is below ``NO_VARIANCE`` times the mean
+    over all the parameters (its gradients were zero, or nearly) counts as
+    having none, and gets ``floor`` times the overall mean. Means in float32."""
+    leaves, treedef = jax.tree.flatten(nu)
+    sizes = [int(np.prod(v.shape)) for v in leaves]
+    if not sum(sizes):
+        return nu
+    sums = [jnp.sum(v, dtype=jnp.float32) for v in leaves]
+    overall = sum(sums) / sum(sizes)
+
+    def floored(v, total, n):
+        if not n:
+            return v
+        own = total / n
+        least = floor * jnp.where(own < NO_VARIANCE * overall, overall, own)
+        return jnp.maximum(v, least.astype(v.dtype))
+
+    return treedef.unflatten(
+        [floored(v, t, n) for v, t, n in zip(leaves, sums, sizes, strict=True)]
+    )
+
+
+def frozen_variance(state: OneBitAdamState, count, freeze, floor):
+    """The variance the steps after the warm-up divide by: the warm-up's,
+    floored (:func:`floored_variance`) at the first of them (``count ==
+    freeze``) and stored so; ``floor`` 0: as the warm-up left it."""
+    if isinstance(floor, (int, float)) and floor == 0:
+        return state.nu
+    return lax.cond(
+        count == freeze,
+        lambda nu: floored_variance(nu, floor),
+        lambda nu: nu,
+        state.nu,
+    )
+
+
+def next_moments(
+    mean, state: OneBitAdamState, frozen_mu, frozen_nu, ok, in_warmup, adam: AdamHyperparams
+):
     """``(mu, nu)`` after the step: Adam's moments of the exact mean during
-    the warm-up; after it the common momentum and the frozen variance; as
-    they were after a non-finite step."""
+    the warm-up; after it the common momentum and the frozen variance
+    (``frozen_nu``); as they were after a non-finite step."""
     adam_mu = otu.tree_update_moment(mean, state.mu, adam.b1, 1)
     adam_nu = otu.tree_update_moment_per_elem_norm(mean, state.nu, adam.b2, 2)
 
@@ -177,7 +231,7 @@ def next_moments(mean, state: OneBitAdamState, frozen_mu, ok, in_warmup, adam: A
         return jnp.where(ok, jnp.where(in_warmup, warm, frozen), old)
 
     mu = jax.tree.map(lambda w, m, o: pick(w, m.astype(o.dtype), o), adam_mu, frozen_mu, state.mu)
-    nu = jax.tree.map(lambda w, o: pick(w, o, o), adam_nu, state.nu)
+    nu = jax.tree.map(pick, adam_nu, frozen_nu, state.nu)
     return mu, nu
 
 
@@ -207,7 +261,12 @@ def apply_freeze_rule(state: OneBitAdamState, nu_hat, t, warming, rule: FreezeRu
 
 
 def onebit_transformation(
-    policy: Policy, config: CommConfig, send: str, adam: AdamHyperparams, rule: FreezeRule
+    policy: Policy,
+    config: CommConfig,
+    send: str,
+    adam: AdamHyperparams,
+    rule: FreezeRule,
+    variance_floor=DEFAULT_VARIANCE_FLOOR,
 ) -> optax.GradientTransformation:
     """``scale_by_onebit_adam`` for a codec policy and a validated config
     (``config.warmup_steps``: the longest warm-up)."""
@@ -233,7 +292,8 @@ def onebit_transformation(
         mean, compress = momentum.update(local, state.compress)
         frozen_mu = common_momentum(mean, state.mu, full, adam.b1)
         ok = compress.step > count  # the mean was finite: the inner state moved on
-        mu, nu = next_moments(mean, state, frozen_mu, ok, in_warmup, adam)
+        frozen_nu = frozen_variance(state, count, freeze, variance_floor)
+        mu, nu = next_moments(mean, state, frozen_mu, frozen_nu, ok, in_warmup, adam)
         t = count + 1
         updates, nu_hat = scaled_updates(mu, nu, t, freeze, ok, mean, adam)
         frozen_at, norm = apply_freeze_rule(state, nu_hat, t, in_warmup & ok, rule)
@@ -254,6 +314,7 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    variance_floor: float = DEFAULT_VARIANCE_FLOOR,
     algorithm: str = "auto",
     server_error_feedback: bool = True,
     fusion_bytes: int | None = None,
@@ -271,6 +332,23 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
     error feedback (``compress_gradients``) carry what compression drops to
     the next step. The update is ``mu_hat / (sqrt(nu_hat + eps_root) + eps)``
     with Adam's bias corrections.
+
+    At the freeze every element's variance is raised to at least
+    ``variance_floor`` times its leaf's mean variance (or, for a leaf with
+    no variance to speak of, below 1e-6 of the mean over all the
+    parameters, ``variance_floor`` times that mean). The
+    compressed momentum of an element carries the codec's noise at the
+    scale of its bucket, whatever its own gradient; divided by the frozen
+    square root of a variance near zero (a parameter whose gradient was
+    zero during the warm-up: the key bias of an attention layer, which the
+    softmax ignores, an embedding row no batch touched) it would move the
+    parameter by noise / ``eps`` per step, without bound. With the floor,
+    such an element moves by at most about ``1 / sqrt(variance_floor)``
+    times the learning rate per step, and error feedback cancels the
+    noise over the steps; elements whose RMS gradient is above
+    ``sqrt(variance_floor)`` (10%) of their leaf's are unaffected.
+    DeepSpeed's 1-bit Adam and the paper divide by the frozen variance
+    as it is (``variance_floor=0``).
 
     With ``freeze_tolerance``, the warm-up may end earlier: every
     ``freeze_interval`` steps the sum of the bias-corrected variance is
@@ -305,6 +383,10 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
         codecs (top-k, 3LC), ``"momentum"`` for the others (measured on
         the LM example, docs/training.md).
       b1, b2, eps, eps_root: as ``optax.scale_by_adam``.
+      variance_floor: the least frozen variance of an element, as a
+        fraction of its leaf's mean frozen variance (above; default 1e-2,
+        an RMS gradient of 10% of the leaf's); 0 divides by the variance
+        as frozen (the paper's rule).
       algorithm, server_error_feedback, fusion_bytes, seed: as
         ``compress_gradients`` (error feedback is always on).
       min_compress_size: as ``compress_gradients``, but None means 0: every
@@ -331,8 +413,13 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
     policy = resolve_policy(codec, config.who)
     if send not in SEND_MODES:
         raise ValueError(f"{_WHO}: send must be one of {SEND_MODES}, got {send!r}")
+    if isinstance(variance_floor, (int, float)) and not 0 <= variance_floor < 1:
+        raise ValueError(
+            f"{_WHO}: variance_floor must be in [0, 1) (a fraction of the mean frozen "
+            f"variance; 0 turns the floor off), got {variance_floor!r}"
+        )
     adam = AdamHyperparams(b1, b2, eps, eps_root)
-    return onebit_transformation(policy, config, send, adam, rule)
+    return onebit_transformation(policy, config, send, adam, rule, variance_floor)
 
 
 # The parameter list repeats scale_by_onebit_adam's, as optax.adam repeats
@@ -351,6 +438,7 @@ def onebit_adam(  # long: the public signature and docstring; the body is a chai
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
+    variance_floor: float = DEFAULT_VARIANCE_FLOOR,
     weight_decay: float = 0.0,
     mask: Any = None,
     algorithm: str = "auto",
@@ -370,7 +458,7 @@ def onebit_adam(  # long: the public signature and docstring; the body is a chai
     Args:
       learning_rate: a float or an optax schedule.
       axis_name, codec, warmup_steps, freeze_tolerance, freeze_interval,
-        send, b1, b2, eps, eps_root, min_compress_size: see
+        send, b1, b2, eps, eps_root, variance_floor, min_compress_size: see
         :func:`scale_by_onebit_adam`.
       weight_decay, mask: decoupled weight decay, as ``optax.adamw``.
       algorithm, server_error_feedback, fusion_bytes, seed: as
@@ -393,6 +481,7 @@ def onebit_adam(  # long: the public signature and docstring; the body is a chai
             b2=b2,
             eps=eps,
             eps_root=eps_root,
+            variance_floor=variance_floor,
             algorithm=algorithm,
             server_error_feedback=server_error_feedback,
             fusion_bytes=fusion_bytes,

@@ -63,7 +63,9 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
         all-reduce in the chain.
     """
     with recording() as records:
-        shapes = jax.eval_shape(tx.init, params)
+        # A new function each call: jax caches the trace of tx.init itself,
+        # and a cached trace records nothing.
+        shapes = jax.eval_shape(lambda p: tx.init(p), params)
     check_order(shapes)
     warn_coarse_before_adam(shapes, records)
     specs = partition_specs(shapes, axis_name)  # a chain without one: replicated

@@ -60,7 +60,7 @@ class DiLoCoState(NamedTuple):
         ``compress_gradients``).
       residual: float32 ``[1, n]`` per device: what the codec dropped from
         this replica's pseudo-gradients (n parameters), carried to the next
-        synchronization; ``[1, 0]`` without error feedback.
+        synchronization; ``()`` without error feedback.
       key: the PRNG key data of stochastic codecs.
       telemetry: :class:`Telemetry`, amortized over a round: the bytes a
         synchronization sends per device divided by ``sync_every``, their
@@ -73,7 +73,7 @@ class DiLoCoState(NamedTuple):
     anchor: Any
     outer: Any
     inner: Any
-    residual: jax.Array
+    residual: jax.Array | tuple
     key: jax.Array
     telemetry: Telemetry
 
@@ -306,13 +306,15 @@ def _init(config: _Config, params) -> DiLoCoState:
             f"{_WHO}: fragments={config.fragments} leaves fragment {sizes.index(0)} without "
             f"a floating-point parameter ({len(jax.tree.leaves(params))} leaves)"
         )
-    n = sum(sizes) if config.error_feedback else 0
+    # Nothing to keep without error feedback: no leaf (orbax cannot save an
+    # empty array), rather than an empty one.
+    residual = jnp.zeros((1, sum(sizes)), jnp.float32) if config.error_feedback else ()
     return DiLoCoState(
         step=jnp.zeros((), jnp.int32),
         anchor=jax.tree.map(jnp.asarray, params),
         outer=tuple(config.outer.init(config.fragment(params, f)) for f in range(config.fragments)),
         inner=jax.tree.map(lambda x: jnp.asarray(x)[None], config.inner.init(params)),
-        residual=jnp.zeros((1, n), jnp.float32),
+        residual=residual,
         key=jax.random.key_data(jax.random.key(config.seed)),
         telemetry=first_telemetry(
             axis_sizes_or_none(config.axis_name),
@@ -392,8 +394,9 @@ def _mix(config: _Config, f: int, local, anchor):
 def _synchronize(config: _Config, offsets, key, f: int, local, anchor, outer_state, residual):
     """Fragment ``f``'s outer step (and, without overlap, its merge)."""
     a, frag = config.fragment(anchor, f), config.fragment(local, f)
-    lo, hi = (int(offsets[f]), int(offsets[f + 1])) if config.error_feedback else (0, 0)
-    mean, r = _average(config, _flatten(a) - _flatten(frag), residual[:, lo:hi], key)
+    lo, hi = int(offsets[f]), int(offsets[f + 1])
+    part = residual[:, lo:hi] if config.error_feedback else residual
+    mean, r = _average(config, _flatten(a) - _flatten(frag), part, key)
     outer_updates, o = config.outer.update(_unflatten(mean, a), outer_state[f], a)
     anchor = config.merge(anchor, optax.apply_updates(a, outer_updates), f)
     outer_state = (*outer_state[:f], o, *outer_state[f + 1 :])

@@ -335,13 +335,31 @@ def server_sizes(plan: Plan, sizes: tuple[int, ...], algorithm: str) -> tuple[in
     return tuple(state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets)
 
 
+# A bucket whose algorithm keeps no server residual on the bound axes (one
+# compression: allgather, allreduce, static sparse; every algorithm on two
+# devices for some codecs) holds a row of this width instead of an empty one:
+# orbax refuses to save zero-size arrays, and the state's structure must not
+# depend on the number of devices (``jax.eval_shape(tx.init)`` outside the
+# mesh gives the structure that ``jc.optax.init`` lays out). Always zero;
+# a step never reads or writes it.
+PLACEHOLDER_WIDTH = 1
+
+
+def stored_width(m: int) -> int:
+    """The width of the state's row for a server residual of ``m`` values."""
+    return m or PLACEHOLDER_WIDTH
+
+
 def zero_servers(plan: Plan, sizes, algorithm: str) -> tuple:
-    """Zero server residuals; where the axes are not bound (``tx.init``
+    """Zero server residuals (a placeholder row where a bucket keeps none,
+    :data:`PLACEHOLDER_WIDTH`); where the axes are not bound (``tx.init``
     outside the mapped function, or ``jax.eval_shape`` of it), empty rows
     that ``update`` rejects with a message saying how to create the state."""
     if sizes is None:
         return tuple(jnp.zeros((1, 0), jnp.float32) for _ in plan.buckets)
-    return tuple(jnp.zeros((1, m), jnp.float32) for m in server_sizes(plan, sizes, algorithm))
+    return tuple(
+        jnp.zeros((1, stored_width(m)), jnp.float32) for m in server_sizes(plan, sizes, algorithm)
+    )
 
 
 def read_servers(plan: Plan, servers, sizes, algorithm: str, who: str = COMPRESS) -> tuple:
@@ -361,10 +379,13 @@ def read_servers(plan: Plan, servers, sizes, algorithm: str, who: str = COMPRESS
         )
     for b, m, shape, s in zip(plan.buckets, want, got, servers, strict=True):
         _check_server(b, m, shape, s, sizes, algorithm, who)
-    return tuple(s[0] for s in servers)
+    # A placeholder row reads as the empty residual the algorithm takes.
+    return tuple(s[0, :m] for m, s in zip(want, servers, strict=True))
 
 
 def _check_server(bucket, m: int, shape: tuple, s, sizes, algorithm: str, who: str) -> None:
+    if not m and shape in ((1, 0), (1, PLACEHOLDER_WIDTH)) and s.dtype == jnp.float32:
+        return  # none kept: the placeholder (or an empty row, from tx.init outside the mesh)
     if shape == (1, 0) and m:
         raise ValueError(
             f"{who}: the state's server residuals are empty: it was initialized outside "
@@ -372,14 +393,14 @@ def _check_server(bucket, m: int, shape: tuple, s, sizes, algorithm: str, who: s
             "jc.optax.init(tx, params, mesh, axis_name) under jax.shard_map, or "
             "jax.pmap(tx.init, axis_name=...) under jax.pmap."
         )
-    if len(shape) == 2 and shape[0] != 1 and shape[1] == m:
+    if len(shape) == 2 and shape[0] != 1 and shape[1] == stored_width(m):
         raise replicated_error(
             f"the server residual of the bucket of {bucket.codec!r}", shape[0], who
         )
     if shape != (1, m) or s.dtype != jnp.float32:
         raise ValueError(
             f"{who}: the state's server residual for the bucket of {bucket.codec!r} "
-            f"({bucket.size} values) has shape {shape}, expected (1, {m}) for "
+            f"({bucket.size} values) has shape {shape}, expected (1, {stored_width(m)}) for "
             f"algorithm={algorithm!r} on axes of sizes {sizes}: the server residuals "
             "depend on the fused buckets, the algorithm and the number of devices, so "
             "restore a state under the same fusion_bytes, codec policy, algorithm and "
@@ -388,8 +409,12 @@ def _check_server(bucket, m: int, shape: tuple, s, sizes, algorithm: str, who: s
 
 
 def write_servers(old: tuple, new, ok) -> tuple:
-    """The state's server residuals after a step, as :func:`keep_finite` says."""
-    return tuple(keep_finite(ok, n[None], o) for o, n in zip(old, new, strict=True))
+    """The state's server residuals after a step, as :func:`keep_finite`
+    says; a placeholder row (a bucket that keeps none) as it was."""
+    return tuple(
+        o if n is None or not n.size else keep_finite(ok, n[None], o)
+        for o, n in zip(old, new, strict=True)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -448,20 +473,44 @@ def coarse_for_adam(plan: Plan) -> tuple:
     )
 
 
-def record_init(plan: Plan) -> None:
+# jc.optax.relayout needs, for every compress_gradients state, the plan and
+# algorithm that lay its server residuals out, which its closure alone
+# knows: recorded the same way, in chain order (:func:`recording_plans`).
+PLAN_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "jaxcomp_plan_records", default=None
+)
+
+
+def record_init(plan: Plan, algorithm: str = "auto", axis_name=None) -> None:
     """Called by every compress_gradients init: records the plan's coarse
-    codecs when ``jc.optax.init`` is listening (:func:`recording`)."""
+    codecs when ``jc.optax.init`` is listening (:func:`recording`), and
+    ``(plan, algorithm, axis_name)`` when ``jc.optax.relayout`` is
+    (:func:`recording_plans`)."""
     records = INIT_RECORDS.get()
     if records is not None:
         records.append(coarse_for_adam(plan))
+    plans = PLAN_RECORDS.get()
+    if plans is not None:
+        plans.append((plan, algorithm, axis_name))
 
 
 @contextlib.contextmanager
-def recording():
-    """Within: the list the compress_gradients inits record into, in order."""
+def _listening(var: contextvars.ContextVar):
+    """Within: a new list that ``var`` holds, for the inits to append to."""
     records: list = []
-    token = INIT_RECORDS.set(records)
+    token = var.set(records)
     try:
         yield records
     finally:
-        INIT_RECORDS.reset(token)
+        var.reset(token)
+
+
+def recording_plans():
+    """Within: the list the compress_gradients inits record their
+    ``(plan, algorithm, axis_name)`` into, in order."""
+    return _listening(PLAN_RECORDS)
+
+
+def recording():
+    """Within: the list the compress_gradients inits record into, in order."""
+    return _listening(INIT_RECORDS)

@@ -66,9 +66,11 @@ class CompressState(NamedTuple):
       server_residuals: this device's server residuals (two-level error
         feedback): a tuple with one float32[1, m] array per compressed
         fused bucket, ``m`` = ``jc.collectives.state_size`` of the bucket
-        (the chunk this device owns in the two-phase all-reduce, 0 for an
-        algorithm that compresses once). Like ``residuals``, one row per
-        device. ``()`` without error feedback or with
+        (the chunk this device owns in the two-phase all-reduce); a
+        float32[1, 1] placeholder of zeros where the algorithm keeps none
+        (it compresses once), since checkpointers refuse empty arrays and
+        the structure must not depend on the device count. Like
+        ``residuals``, one row per device. ``()`` without error feedback or with
         ``server_error_feedback=False``.
       telemetry: :class:`Telemetry` of the last step (replicated), with the
         running count of skipped (non-finite) steps.
@@ -180,7 +182,8 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
 
     def init_fn(params) -> CompressState:
         plan = plan_for(gradient_shapes(params))
-        record_init(plan)  # for jc.optax.init's check of a coarse codec before Adam
+        # For jc.optax.init's check of a coarse codec before Adam, and relayout.
+        record_init(plan, config.algorithm, config.axis_name)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(config.seed)),

@@ -1,0 +1,292 @@
+"""``jc.optax.relayout``: an optimizer state saved on P devices, laid out
+for Q devices (or a two-level mesh), with nothing that the residuals owe
+lost.
+
+A state's per-device parts are one row per device (``state_specs``). The
+replicated parts (step, key, telemetry, Adam's moments, PowerSGD's Q, the
+DiLoCo anchor) carry over as they are; the per-device parts are re-laid by
+the rule of :func:`relayout`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from jaxcomp._axes import names_of
+from jaxcomp.collectives import state_positions
+from jaxcomp.optax._chain import init
+from jaxcomp.optax._diloco import DiLoCoState
+from jaxcomp.optax._powersgd import PowerSGDState
+from jaxcomp.optax._state import find_states, is_masked, recording_plans
+from jaxcomp.optax._transform import CompressState
+
+_WHO = "jc.optax.relayout"
+
+
+def relayout(  # long: the public docstring; the body walks the states
+    opt_state,
+    tx: optax.GradientTransformation,
+    params,
+    mesh: jax.sharding.Mesh,
+    axis_name,
+    *,
+    from_axis_sizes: int | tuple[int, int] | None = None,
+) -> Any:
+    """A jaxcomp optimizer state saved on P devices, laid out for ``mesh``.
+
+    Restoring a checkpoint on another number of devices (a preempted or
+    elastic job), or onto a two-level mesh: ``opt_state`` is the state as
+    saved (its per-device leaves with P rows; host arrays, or arrays in any
+    layout, as orbax restores them), and the result is the state that
+    ``jc.optax.init(tx, params, mesh, axis_name)`` would make, holding what
+    ``opt_state`` held.
+
+    What carries over, and the rule: the replicated leaves (step, PRNG key,
+    ``onebit_adam``'s moments and freeze, PowerSGD's Q, DiLoCo's anchor and
+    outer state) as they are; the telemetry's count of skipped steps and
+    residual norm (its byte figures are the new mesh's, as
+    ``jc.optax.init`` makes them). The error-feedback residuals are
+    what every device still owes the mean: a device's residual enters its
+    next sum and reaches the mean divided by the number of devices, and a
+    server residual (two-level error feedback; in units of the mean) enters
+    it whole. The rule keeps, for every parameter element, what all of them
+    together owe the mean,
+    ``sum_d residual_d / P + sum of the server residuals at their positions``
+    (``jc.collectives.state_positions``), exactly up to one float32
+    rounding (the sums are taken in float64):
+
+    - the server residuals are folded into the worker residuals (each
+      device's residual gets their sum, which it owes the mean by ``1/Q``
+      and all Q together by 1) and start again at zero, since their layout
+      (chunks per device) is that of the old mesh;
+    - worker residuals (and DiLoCo's, and the gradients an
+      ``optax.MultiSteps`` has accumulated per device): old device ``d``
+      goes to new device ``d mod Q`` when Q <= P (each new device holds the
+      sum of its old ones, times Q / P: the mean of a group when Q divides
+      P); when Q > P, new device ``e`` takes old device ``e mod P``'s, times
+      Q / P over the number of new devices that take it (a copy when P
+      divides Q). Either way the sum over the devices scales by Q / P, and
+      what they owe the mean is kept. P == Q keeps every row as it is.
+    - DiLoCo's per-replica inner optimizer states: the mean of the old
+      replicas a new one takes (as above, without the Q / P scale); integer
+      leaves (step counts, equal on every replica) from the first of them.
+
+    Args:
+      opt_state: the saved state (of ``tx``, on P devices).
+      tx: the optimizer, built for ``mesh``'s axes as it was built when the
+        state was saved (the same codecs, algorithm, fusion and the rest:
+        they lay the server residuals out).
+      params: the parameters (or their shapes), as ``jc.optax.init`` takes them.
+      mesh: the mesh to train on now.
+      axis_name: its data axis, or the ``(slow, fast)`` pair.
+      from_axis_sizes: the sizes of the data axes the state was saved on:
+        None for one axis of P devices (the rows of its per-device
+        leaves), or the ``(slow, fast)`` sizes of a two-level mesh, which
+        a state saved there needs (its server residuals' shapes do not
+        always tell the two apart; where they do not fit, this raises).
+    Returns:
+      The state on ``mesh``, laid out as ``jc.optax.init`` lays it out.
+    Raises:
+      ValueError: the state does not fit ``tx`` and ``params`` (another
+        structure, shapes, or server residuals of another layout).
+    """
+    with recording_plans() as plans:
+        # A new function each call: jax caches the trace of tx.init itself.
+        jax.eval_shape(lambda p: tx.init(p), params)
+    fresh = init(tx, params, mesh, axis_name)
+    if jax.tree.structure(opt_state) != jax.tree.structure(fresh):
+        raise ValueError(
+            f"{_WHO}: the state does not have the structure of tx.init(params): was it made "
+            "by another optimizer, or for other parameters?\n"
+            f"  state: {jax.tree.structure(opt_state)}\n  tx:    {jax.tree.structure(fresh)}"
+        )
+    q = int(np.prod([mesh.shape[a] for a in names_of(axis_name)]))
+    walker = _Walker(iter(plans), q, from_axis_sizes)
+    return jax.tree.map(walker.node, opt_state, fresh, is_leaf=_is_node)
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, (CompressState, PowerSGDState, DiLoCoState, optax.MultiStepsState))
+
+
+def _host(x) -> np.ndarray:
+    return np.asarray(x)
+
+
+def _put(value: np.ndarray, like) -> jax.Array:
+    """``value`` with ``like``'s dtype and sharding (its shape, checked)."""
+    if tuple(value.shape) != tuple(like.shape):
+        raise ValueError(
+            f"{_WHO}: a leaf of shape {tuple(value.shape)} does not fit the new state's "
+            f"{tuple(like.shape)}: was the state made for other parameters?"
+        )
+    return jax.device_put(np.asarray(value).astype(like.dtype), like.sharding)
+
+
+def rows_map(p: int, q: int, *, keep_sum: bool) -> np.ndarray:
+    """The float64 ``[q, p]`` matrix taking P device rows to Q (the rule of
+    :func:`relayout`): with ``keep_sum``, ``sum_e new_e / q == sum_d old_d /
+    p``; else every new row a mean of old ones."""
+    w = np.zeros((q, p))
+    if q <= p:
+        for d in range(p):
+            w[d % q, d] = 1.0
+    else:
+        for e in range(q):
+            w[e, e % p] = 1.0
+    if keep_sum:
+        w *= (q / p) / w.sum(axis=0, keepdims=True)
+    else:
+        w /= w.sum(axis=1, keepdims=True)
+    return w
+
+
+class _Walker:
+    """Maps every node of a saved state onto the fresh one's, consuming
+    the recorded plans of the compress states in tree order."""
+
+    def __init__(self, plans, q: int, from_axis_sizes):
+        self.plans = plans
+        self.q = q
+        self.from_axis_sizes = from_axis_sizes
+
+    def node(self, old, new):
+        if isinstance(new, CompressState):
+            return self.compress(old, new)
+        if isinstance(new, PowerSGDState):
+            return new._replace(
+                step=self.same(old.step, new.step),
+                qs=self.same(old.qs, new.qs),
+                residuals=self.owed(old.residuals, new.residuals),
+                rest=jax.tree.map(self.node, old.rest, new.rest, is_leaf=_is_node),
+                telemetry=self.telemetry(old.telemetry, new.telemetry),
+            )
+        if isinstance(new, DiLoCoState):
+            return new._replace(
+                step=self.same(old.step, new.step),
+                anchor=self.same(old.anchor, new.anchor),
+                outer=self.same(old.outer, new.outer),
+                inner=jax.tree.map(self.averaged, old.inner, new.inner),
+                residual=self.owed(old.residual, new.residual),
+                key=self.same(old.key, new.key),
+                telemetry=self.telemetry(old.telemetry, new.telemetry),
+            )
+        if isinstance(new, optax.MultiStepsState):
+            inner = jax.tree.map(
+                self.node, old.inner_opt_state, new.inner_opt_state, is_leaf=_is_node
+            )
+            rest = self.same(old._replace(inner_opt_state=()), new._replace(inner_opt_state=()))
+            if find_states(new.inner_opt_state):  # accumulated per device, concatenated
+                rest = rest._replace(
+                    acc_grads=self.owed(old.acc_grads, new.acc_grads, stacked=True)
+                )
+            return rest._replace(inner_opt_state=inner)
+        return self.same(old, new)
+
+    def telemetry(self, old, new):
+        """The new mesh's figures (bytes depend on the device count), with
+        the running count of skipped steps and the residuals' norm carried."""
+        return new._replace(
+            skipped_steps=self.same(old.skipped_steps, new.skipped_steps),
+            residual_norm=self.same(old.residual_norm, new.residual_norm),
+        )
+
+    def same(self, old, new):
+        """Replicated leaves, as they were."""
+        return jax.tree.map(lambda o, n: _put(_host(o), n), old, new)
+
+    def rows(self, x: np.ndarray, stacked: bool) -> tuple[int, np.ndarray]:
+        """The old device count and ``x`` as ``[P, ...]`` rows."""
+        if stacked:  # MultiSteps: [P * d0, ...]
+            p = self.p_of(x.shape[0], stacked=True)
+            return p, x.reshape(p, x.shape[0] // p, *x.shape[1:])
+        return x.shape[0], x
+
+    def p_of(self, rows: int, stacked: bool = False) -> int:
+        if self.from_axis_sizes is not None:
+            return int(np.prod(self.from_axis_sizes))
+        if stacked:
+            raise ValueError(
+                f"{_WHO}: an optax.MultiSteps state stores its per-device gradients "
+                "concatenated; pass from_axis_sizes (the saved device count)"
+            )
+        return rows
+
+    def owed(self, old, new, *, stacked: bool = False):
+        """Per-device leaves whose sum over the devices / P is what they owe
+        (residuals): re-laid keeping it."""
+        return jax.tree.map(lambda o, n: self.owed_leaf(o, n, stacked=stacked), old, new)
+
+    def owed_leaf(self, old, new, *, stacked: bool = False, extra=None):
+        """One leaf of :meth:`owed`, with ``extra`` (float64, shaped like a
+        row) added to every new row."""
+        p, x = self.rows(_host(old).astype(np.float64), stacked)
+        y = np.tensordot(rows_map(p, self.q, keep_sum=True), x, axes=1)
+        if extra is not None:
+            y = y + extra[None]
+        return _put(y.reshape(new.shape) if stacked else y, new)
+
+    def averaged(self, old, new):
+        """A per-replica optimizer state leaf: each new row a mean of old ones."""
+        x = _host(old)
+        if not np.issubdtype(x.dtype, np.inexact):
+            return _put(np.repeat(x[:1], self.q, axis=0), new)
+        w = rows_map(x.shape[0], self.q, keep_sum=False)
+        return _put(np.tensordot(w, x.astype(np.float64), axes=1), new)
+
+    def compress(self, old: CompressState, new: CompressState) -> CompressState:
+        plan, algorithm, axis_name = next(self.plans)
+        servers: dict = {}
+        if old.server_residuals:
+            servers = self.server_owed(old.server_residuals, plan, algorithm, axis_name)
+        residuals = new.residuals
+        if not (isinstance(new.residuals, tuple) and not new.residuals):  # () without feedback
+            olds = plan.treedef.flatten_up_to(old.residuals)
+            news = plan.treedef.flatten_up_to(new.residuals)
+            residuals = plan.treedef.unflatten(
+                [
+                    n if is_masked(n) else self.owed_leaf(o, n, extra=servers.get(i))
+                    for i, (o, n) in enumerate(zip(olds, news, strict=True))
+                ]
+            )
+        return new._replace(
+            step=self.same(old.step, new.step),
+            key=self.same(old.key, new.key),
+            residuals=residuals,
+            telemetry=self.telemetry(old.telemetry, new.telemetry),
+        )
+
+    def server_owed(self, servers, plan, algorithm: str, axis_name) -> dict:
+        """What the old server residuals hold back, per leaf (float64,
+        shaped like it): every row's values added at their positions."""
+        rows = _host(servers[0]).shape[0] if servers else 0
+        sizes = self.from_axis_sizes if self.from_axis_sizes is not None else rows
+        two = isinstance(sizes, (tuple, list))
+        if two != (len(names_of(axis_name)) == 2):
+            algorithm = "auto"  # the algorithm of the old axes (hierarchical for a pair)
+        out: dict = {}
+        for b, s in zip(plan.buckets, servers, strict=True):
+            s = _host(s).astype(np.float64)
+            pos = state_positions(b.codec, b.size, b.dtype, sizes, algorithm)
+            if not pos.shape[1]:
+                continue  # none kept: a placeholder row
+            if s.shape != pos.shape:
+                raise ValueError(
+                    f"{_WHO}: the server residual of the bucket of {b.codec!r} ({b.size} "
+                    f"values) has shape {s.shape}, but on axes of sizes {sizes} with "
+                    f"algorithm={algorithm!r} it has {pos.shape}: pass from_axis_sizes (the "
+                    "(slow, fast) sizes of a two-level mesh), and build tx as it was built "
+                    "when the state was saved"
+                )
+            fused = np.zeros(b.size)
+            np.add.at(fused, pos[pos >= 0], s[pos >= 0])
+            at = 0
+            for i, n in zip(b.leaves, b.sizes, strict=True):
+                part = fused[at : at + n].reshape(plan.shapes[i])
+                out[i] = out.get(i, 0.0) + part
+                at += n
+        return out
