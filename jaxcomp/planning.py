@@ -41,6 +41,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -270,6 +271,10 @@ def measure_compute(
 
     from jaxcomp import _bench, _ffi
 
+    # Another process's load slows these timings and so every prediction
+    # made with them: the label says so (the one-minute load average, per
+    # core, before and after the measurement).
+    load_before = _load_per_core()
     x = _bench.make_input(n)
     gpu = x.devices().pop().platform != "cpu"
     kernels = _ffi.cuda_available() if gpu else _ffi.cpu_available()
@@ -280,7 +285,27 @@ def measure_compute(
         out[repr(c)] = _measure_codec(c, x, kernels, gpu, reps)
     where = jax.devices()[0].device_kind
     label = f"measured now at n=2^{n.bit_length() - 1} ({where})"
+    load = max(load_before, _load_per_core())
+    if load > BUSY_LOAD:
+        label += (
+            f"; the host was busy (load {load:.1f} per core): the codecs' figures are "
+            "slower than on a quiet host, and so is every prediction made with them"
+        )
     return Compute("gpu" if gpu else "cpu", out, mc, share, label)
+
+
+#: A one-minute load average per core above which :func:`measure_compute`
+#: says that its figures were taken on a busy host.
+BUSY_LOAD = 0.5
+
+
+def _load_per_core() -> float:
+    """The one-minute load average over the cores (0 where the platform has
+    none)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> KernelRates:
@@ -291,7 +316,9 @@ def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> Kern
     from jaxcomp import _bench
 
     n, key = x.size, jax.random.key(0)
-    enc_backend = "ffi" if kernels and codec.name != "identity" else "xla"
+    # As the collectives run them: "auto" is the kernel on the CPU and the
+    # codec's measured rule on GPUs (Codec.kernels).
+    enc_backend = "auto" if kernels and codec.name != "identity" else "xla"
     dec_backend = "xla" if gpu and codec.elementwise_decode else enc_backend
     enc = jax.jit(lambda x, k: codec.encode(x, k, backend=enc_backend))
     dec = jax.jit(lambda p: codec.decode(p, backend=dec_backend))

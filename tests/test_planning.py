@@ -325,3 +325,15 @@ def test_the_measured_losses_are_the_studys():
             m = r["codec"] if r["optimizer"] == "adamw" else f"{r['optimizer']}({r['codec']})"
             adam[m, r["algorithm"]] = value(r["diff_pct"], r["diverged"])
     assert _accuracy.ADAM == adam
+
+
+def test_measurements_on_a_busy_host_say_so(monkeypatch):
+    """``measure_compute`` labels figures taken while the host was busy (the
+    load average per core over planning.BUSY_LOAD), and only then."""
+    codecs = [jc.codecs.Int8()]
+    monkeypatch.setattr(planning, "_load_per_core", lambda: 3.0)
+    busy = planning.measure_compute(codecs, n=1 << 12, reps=1)
+    assert "the host was busy (load 3.0 per core)" in busy.source
+    monkeypatch.setattr(planning, "_load_per_core", lambda: 0.1)
+    quiet = planning.measure_compute(codecs, n=1 << 12, reps=1)
+    assert "busy" not in quiet.source
