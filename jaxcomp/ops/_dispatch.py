@@ -1,12 +1,13 @@
 """Platform dispatch between FFI kernels and their pure-JAX twins.
 
-This is the only place that decides which implementation runs. ``backend``
-(resolved once per call by :func:`jaxcomp._ffi.resolve_backend`): "xla"
-always runs the twin; "ffi" always calls the kernel (lowering fails on a
-platform without one); "auto" runs the kernel on platforms that have one and
-the twin elsewhere (TPU, a GPU build without CUDA); "fused" runs the kernel
-on the CPU and the twin elsewhere, where XLA fuses the twin into what
-consumes its result (the collectives decode with it).
+This is the only place that runs one or the other, as ``backend`` (a codec
+resolves it, with whether GPUs run the CUDA kernel, in ``Codec.route``)
+says: "xla" always runs the twin; "ffi" always calls the kernel (lowering
+fails on a platform without one); "auto" runs the kernel on the CPU and,
+where the codec's measured rule says so, on CUDA GPUs, and the twin
+elsewhere (TPU, a GPU build without CUDA); "fused" runs the kernel on the
+CPU and the twin elsewhere, where XLA fuses the twin into what consumes its
+result (the collectives decode with it).
 
 Under a trace the choice is one primitive, ``jaxcomp_platform_call``, with
 a lowering rule per platform: each lowers its own branch (the kernel's
@@ -15,9 +16,7 @@ never traces the twin and holds no conditional, and a program exported
 for several platforms gets one branch per platform, as
 ``lax.platform_dependent`` would give it. ``lax.platform_dependent``
 itself traces every branch at once and lowers a conditional around each
-call: without them the fast test tier ran in 337 s instead of 380-408 s
-(docs/benchmarks.md, "CI"), trace and compile time that every user's step
-saves as well.
+call: trace and compile time that every step would pay.
 """
 
 from __future__ import annotations
