@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "handler.h"
 #include "jaxcomp/checks.h"
@@ -42,6 +43,29 @@ inline Geometry geometry(int64_t bucket) {
   g.lane_levels = log2_int(bucket / g.lanes);
   g.per_block = kThreads / g.lanes;
   return g;
+}
+
+// Launches the tile encode (kernels.cuh) where a bucket of T, under error
+// feedback or not, has one: launch(std::integral_constant<int, G>{}, blocks,
+// lanes_log2), G the bucket's groups of 8 per lane. False where the bucket
+// takes the two-phase kernels (the caller launches those).
+template <typename T, bool Feedback, typename Launch>
+bool launch_tile(int64_t nb, int64_t bucket, const Launch& launch) {
+  if constexpr (tiled<T, Feedback>()) {
+    const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
+    const unsigned blocks = tile_blocks(nb, bucket);
+    switch (tile_groups(bucket)) {
+      case 1:
+        launch(std::integral_constant<int, 1>{}, blocks, lanes_log2);
+        return true;
+      case 2:
+        launch(std::integral_constant<int, 2>{}, blocks, lanes_log2);
+        return true;
+      default:
+        break;
+    }
+  }
+  return false;
 }
 
 // Blocks for an encode: one segment per bucket (at most 2^29 buckets, so the

@@ -113,21 +113,13 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
     const int fmt = static_cast<int>(format);
-    if constexpr (tiled<T, Feedback>()) {
-      const int groups = tile_groups(bucket);
-      if (groups != 0) {
-        auto pick = [&](auto stochastic_tag) {
-          constexpr bool kStochastic = decltype(stochastic_tag)::value;
-          return groups == 1 ? fp8_encode_tile<T, kStochastic, Feedback, 1>
-                             : fp8_encode_tile<T, kStochastic, Feedback, 2>;
-        };
-        auto kernel = stochastic != 0 ? pick(std::true_type{}) : pick(std::false_type{});
-        const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
-        kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, fmt, seed, codes,
-                                                                 scales, new_residual, vec);
-        return;
-      }
-    }
+    const bool tile = launch_tile<T, Feedback>(nb, bucket, [&](auto groups, unsigned blocks, int lanes_log2) {
+      constexpr int G = decltype(groups)::value;
+      auto kernel = stochastic != 0 ? fp8_encode_tile<T, true, Feedback, G> : fp8_encode_tile<T, false, Feedback, G>;
+      kernel<<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, fmt, seed, codes, scales, new_residual,
+                                              vec);
+    });
+    if (tile) return;
     auto kernel = stochastic != 0 ? fp8_encode_kernel<T, true, Feedback> : fp8_encode_kernel<T, false, Feedback>;
     kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, fmt, seed, codes, scales, new_residual);
   });

@@ -185,21 +185,12 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
     const int b = static_cast<int>(bits);
-    if constexpr (tiled<T, Feedback>()) {
-      const int groups = tile_groups(bucket);
-      if (groups != 0) {
-        auto pick = [&](auto l2_tag) {
-          constexpr bool kL2 = decltype(l2_tag)::value;
-          return groups == 1 ? qsgd_encode_tile<T, kL2, Feedback, 1>
-                             : qsgd_encode_tile<T, kL2, Feedback, 2>;
-        };
-        auto kernel = l2 != 0 ? pick(std::true_type{}) : pick(std::false_type{});
-        const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
-        kernel<<<tile_blocks(nb, bucket), kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, b, seed, packed,
-                                                                 scales, new_residual, vec);
-        return;
-      }
-    }
+    const bool tile = launch_tile<T, Feedback>(nb, bucket, [&](auto groups, unsigned blocks, int lanes_log2) {
+      constexpr int G = decltype(groups)::value;
+      auto kernel = l2 != 0 ? qsgd_encode_tile<T, true, Feedback, G> : qsgd_encode_tile<T, false, Feedback, G>;
+      kernel<<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, b, seed, packed, scales, new_residual, vec);
+    });
+    if (tile) return;
     auto kernel = l2 != 0 ? qsgd_encode_kernel<T, true, Feedback> : qsgd_encode_kernel<T, false, Feedback>;
     kernel<<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, b, seed, packed, scales, new_residual, vec);
   });

@@ -102,22 +102,11 @@ void launch_encode(cudaStream_t stream, DType dt, const void* x, const float* re
   with_type(dt, [&](auto tag) {
     using T = decltype(tag);
     const Input<T, Feedback> in{static_cast<const T*>(x), residual, n};
-    if constexpr (tiled<T, Feedback>()) {
-      const int lanes_log2 = log2_int(bucket / 8 < 32 ? bucket / 8 : 32);
-      const unsigned blocks = tile_blocks(nb, bucket);
-      switch (tile_groups(bucket)) {
-        case 1:
-          signsgd_encode_tile<T, Feedback, 1>
-              <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
-          return;
-        case 2:
-          signsgd_encode_tile<T, Feedback, 2>
-              <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
-          return;
-        default:
-          break;
-      }
-    }
+    const bool tile = launch_tile<T, Feedback>(nb, bucket, [&](auto groups, unsigned blocks, int lanes_log2) {
+      signsgd_encode_tile<T, Feedback, decltype(groups)::value>
+          <<<blocks, kThreads, 0, stream>>>(in, nb, bucket, lanes_log2, signs, scales, new_residual, vec);
+    });
+    if (tile) return;
     const Geometry g = geometry(bucket);
     signsgd_encode_kernel<T, Feedback>
         <<<encode_blocks(nb, g), kThreads, 0, stream>>>(in, nb, g, signs, scales, new_residual, vec);
