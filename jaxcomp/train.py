@@ -24,7 +24,7 @@ loss; see docs/diloco.md.
 
 Guards: the step refuses parameters laid out sharded over the devices
 (it trains replicated ones, and would gather them onto every device
-without a word; sharded training is not supported yet), refuses an
+without a word; sharded training is ``shard_params=``, jaxcomp/fsdp.py), refuses an
 optimizer whose update does not all-reduce
 the gradients (every device would silently train its own copy of
 parameters typed as replicated), and on XLA:CPU it keeps at most one step
@@ -119,6 +119,11 @@ class DataParallel:
         int >= 1 sets the bound on any platform; None lifts it. One step
         in flight still overlaps the host's next batch with the device's
         step; docs/training-loop.md measures what it costs.
+      shard_params: sharded training (FSDP / HSDP): a
+        :class:`jaxcomp.fsdp.ShardParams` or the mesh axis to shard the
+        parameters over. The step is then a
+        :class:`jaxcomp.fsdp.ShardedDataParallel` (docs/fsdp.md), whose
+        ``tx`` is a plain optax optimizer of the shards.
       require_all_reduce: refuse an update that does not all-reduce the
         gradients (above). False lets each device apply its own gradient,
         for what means it (timing the compute alone, as
@@ -136,6 +141,25 @@ class DataParallel:
         int), or None for no bound (above).
     """
 
+    def __new__(cls, loss_fn=None, tx=None, mesh=None, axis_name="data", **kwargs):
+        shard_params = kwargs.pop("shard_params", None)
+        if shard_params is None:
+            return super().__new__(cls)
+        from jaxcomp.fsdp import ShardedDataParallel
+
+        if axis_name != "data":
+            raise ValueError(
+                "jc.data_parallel: with shard_params the axes are shard_params' "
+                f"(jc.fsdp.ShardParams(axis=...)); leave axis_name out, got {axis_name!r}"
+            )
+        extra = set(kwargs) - {"has_aux", "donate"}
+        if extra:
+            raise ValueError(
+                f"jc.data_parallel: with shard_params the step takes has_aux and donate, not "
+                f"{sorted(extra)}"
+            )
+        return ShardedDataParallel(loss_fn, tx, mesh, shard_params, **kwargs)
+
     def __init__(
         self,
         loss_fn: Callable,
@@ -148,6 +172,7 @@ class DataParallel:
         donate: bool = True,
         max_in_flight: int | str | None = "auto",
         require_all_reduce: bool = True,
+        shard_params: None = None,
     ):
         axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
         self.loss_fn = loss_fn
@@ -672,10 +697,10 @@ def _check_replicated(params, where: str) -> None:
             f"jc.data_parallel: {where} got parameter {jax.tree_util.keystr(path)} sharded "
             f"over the devices ({spec}), but the step trains replicated parameters (pure "
             "data parallelism: every device holds the whole model) and would silently "
-            "gather it onto every device. Sharded (FSDP) training is not supported yet. "
-            "If the model fits on one device, replicate it yourself first: "
-            "jax.device_put(params, NamedSharding(mesh, P())); otherwise write the "
-            "shard_map step by hand (docs/training-loop.md)."
+            "gather it onto every device. For sharded (FSDP) training pass "
+            "shard_params= (jc.fsdp.ShardParams; docs/fsdp.md). If the model fits on one "
+            "device, replicate it yourself first: "
+            "jax.device_put(params, NamedSharding(mesh, P()))."
         )
 
 
