@@ -388,7 +388,8 @@ class ShardedDataParallel:
                 check_vma=False,
             )
         )(params)
-        return params, ShardedState(opt, res, jnp.zeros((), jnp.int32))
+        count = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
+        return params, ShardedState(opt, res, count)
 
     def shard_batch(self, local_batch):
         """A global batch from this process's part of it (as

@@ -94,7 +94,8 @@ def test_layout_shards_parameters_state_and_residuals():
             assert a.addressable_shards[0].data.shape[0] == a.shape[0] // 8
     # Adam's moments: one entry per device, each the device's shard.
     mu = state.opt_state[0].mu
-    assert mu["w1"].shape == (8, 2, 32) and mu["w1"].sharding.spec == P("fsdp")
+    assert mu["w1"].shape == (8, 2, 32)
+    assert mu["w1"].sharding.is_equivalent_to(NamedSharding(mesh, P("fsdp")), 3)
     # One residual per sharded leaf: what a device compresses, the whole leaf.
     assert [r.shape for r in state.residuals] == [(8, 32), (8, 16, 32), (8, 32, 8)]
     assert all(r.addressable_shards[0].data.shape[0] == 1 for r in state.residuals)
@@ -236,11 +237,16 @@ def test_resume_is_bit_identical():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+_ITEM = {"f32": 4, "bf16": 2, "u32": 4, "s32": 4, "u16": 2, "u8": 1, "s8": 1}
+
+
 def _collective_bytes(compiled_text, kind):
+    """Bytes of the results of every ``kind`` collective in the compiled
+    program (tuple results summed)."""
     total = 0
-    for dtype, dims in re.findall(rf"= (\w+)\[([\d,]*)\]\S* {kind}\(", compiled_text):
-        size = int(np.prod([int(d) for d in dims.split(",") if d]))
-        total += size * {"f32": 4, "u8": 1, "s8": 1, "bf16": 2, "u32": 4}[dtype]
+    for result in re.findall(rf"= (.*?) {kind}\(", compiled_text):
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+            total += _ITEM[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
     return total
 
 
@@ -252,7 +258,7 @@ def test_compressed_step_sends_a_sixth_of_float32():
     params = {"w": jnp.zeros((256, 512)), "v": jnp.zeros((512, 256))}
 
     def loss(p, x):
-        return jnp.sum((x @ p["v"].T) @ p["w"].T)
+        return jnp.sum((x @ p["v"]) @ p["w"])
 
     batch = jnp.ones((8, 512))
     texts = {}
