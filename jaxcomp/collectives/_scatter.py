@@ -336,18 +336,21 @@ def all_gather(x, axis_name, codec, *, key=None, tiled=False):
 # ---------------------------------------------------------------------------
 # Accounting
 # ---------------------------------------------------------------------------
-def _sent_bytes(c: Collective, sizes: tuple[int, ...]) -> float:
-    """Bytes one device sends for one collective over its axis of ``p``
-    devices: ``(P-1)`` operands of an all-gather, ``(P-1)/P`` of an
-    all-to-all's or a reduce-scatter's operand."""
-    p = sizes[c.axis]
+def _sent_bytes(c: Collective, p: int) -> float:
+    """Bytes one device sends for one collective over ``p`` devices:
+    ``(P-1)`` operands of an all-gather, ``(P-1)/P`` of an all-to-all's or
+    a reduce-scatter's operand."""
     if c.kind == "all-gather":
         return (p - 1) * c.operand
     return (p - 1) / p * c.operand
 
 
 class _Accounting(Algorithm):
-    """What both collectives derive from :meth:`collectives`."""
+    """What both collectives derive from :meth:`collectives`.
+
+    Their collectives run over one axis each (``Collective.axis``), but
+    Identity's: over ``(slow, fast)`` axes it is lax's collective over both
+    axes at once, declared on axis 0, the slow links it crosses."""
 
     def operand_nbytes(self, codec, n, dtype, axes):
         out: dict[str, int] = {}
@@ -356,9 +359,9 @@ class _Accounting(Algorithm):
         return out
 
     def send_nbytes(self, codec, n, dtype, axes):
-        return sum(
-            (_sent_bytes(c, axes.sizes) for c in self.collectives(codec, n, dtype, axes)), 0.0
-        )
+        both = as_codec(codec, "jc.collectives").rate is Rate.LINEAR
+        colls = self.collectives(codec, n, dtype, axes)
+        return sum((_sent_bytes(c, axes.size if both else axes.sizes[c.axis]) for c in colls), 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
