@@ -1,0 +1,608 @@
+"""Sharded training over emulated slow links: the step time of
+``jc.data_parallel(shard_params=jc.fsdp.ShardParams(...))``, float32
+against compressed collectives.
+
+One JAX process per network namespace, each with one CPU device, joined by
+jax.distributed (gloo) over a bridge whose links are shaped with tbf in both
+directions: the test bed of benchmarks/collectives.py, whose helpers this
+script imports. Every row runs the same sharded train step (forward,
+backward, the parameters all-gathered and the gradients reduce-scattered
+inside it, ``optax.adam`` on each device's shards) on the same model and
+batch; only the codecs of the two collectives differ:
+
+- float32: ``ShardParams(gradients=None, parameters=None)``, lax's
+  all-gather and reduce-scatter;
+- int8 + QSGD-4: the parameters all-gathered as ``jc.codecs.Int8()``, the
+  gradients reduce-scattered as ``jc.codecs.QSGD(bits=4)`` with error
+  feedback;
+- bf16: ``jc.codecs.Cast("bfloat16")`` both ways, with error feedback;
+- QSGD-4 gradients: the reduce-scatter compressed, the all-gather float32.
+
+The model: a stack of dense layers (4 of 1024 x 1024 by default, tanh
+between them, 4.2 million parameters, 16.8 MB of float32), a regression
+loss, 16 samples per process: little compute per parameter, so that at
+100 Mbit the float32 step is mostly link. "compute alone" shows it: the
+same model's step (forward, backward, adam) on each process's own device,
+no sharding and no collectives, run by all processes at once as in the
+job, so it sees the same share of the CPU.
+
+Per row and link: the step time (median of the slowest process over
+``--steps`` steps after ``--warmup`` warm-up steps, each step started
+together on every process), the bytes each device sends per step (read
+from the compiled step's HLO: every collective's result bytes, counted as
+what a device sends: (P-1)/P of an all-gather's or all-to-all's result,
+P-1 times a reduce-scatter's, a collective-permute's whole, 2(P-1)/P of an
+all-reduce's), the bytes the tc counters saw each host send per step, the
+alpha-beta step time (the row's step on unshaped loopback, i.e. its compute
+and codec work, plus the bytes sent over the link rate) and the speedup
+over float32.
+
+    sudo python benchmarks/fsdp_links.py                 # 100 Mbit and 1 Gbit, every row
+    sudo python benchmarks/fsdp_links.py --rates 100mbit --rows float32 int8+qsgd4
+    sudo python benchmarks/fsdp_links.py --render --docs # table from the JSON into docs/fsdp.md
+    python benchmarks/fsdp_links.py --smoke --json /tmp/f.json   # 2 processes, loopback
+
+``--smoke``: two processes on 127.0.0.1, no namespaces and no shaping, a
+tiny model, two steps (the CI smoke test). Needs root, iproute2 and tbf
+otherwise (skips with a message where they are missing). Imports jaxcomp
+from this checkout. Writes benchmarks/results/fsdp_links.json and
+benchmarks/results/fsdp_links.md; ``--docs`` puts the table, the command
+and the date in docs/fsdp.md, at the line ``<!-- links: filled by
+benchmarks/fsdp_links.py -->`` (or between the markers that replace it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import pathlib
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))  # this checkout's jaxcomp (jaxcomp.fsdp)
+
+import collectives as testbed  # noqa: E402  (benchmarks/collectives.py: the test bed)
+
+# row -> (parameters codec, gradients codec), as jc.codecs.get specs; None: float32.
+ROWS = {
+    "float32": (None, None),
+    "int8+qsgd4": ("int8", "qsgd:bits=4"),
+    "bf16": ("cast:dtype=bfloat16", "cast:dtype=bfloat16"),
+    "qsgd4-grads": (None, "qsgd:bits=4"),
+}
+LABELS = {
+    "compute": "compute alone (one device, no collectives)",
+    "float32": "sharded float32",
+    "int8+qsgd4": "int8 all-gather + QSGD-4 reduce-scatter (EF)",
+    "bf16": "bf16 all-gather + bf16 reduce-scatter (EF)",
+    "qsgd4-grads": "float32 all-gather + QSGD-4 reduce-scatter (EF)",
+}
+MARKER = "<!-- links: filled by benchmarks/fsdp_links.py -->"
+BEGIN, END = "<!-- fsdp-links:begin -->", "<!-- fsdp-links:end -->"
+DOC = ROOT / "docs" / "fsdp.md"
+TAG = "fsdp"  # this script's own namespaces, beside the other benchmarks' beds
+LOOPBACK = "unshaped"
+
+
+# ---------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------
+def make_model(width: int, layers: int, batch: int, pid: int):
+    """``(params, loss_fn, local_batch)``: a stack of dense layers, numpy
+    parameters (the same on every process) and this process's batch."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = {
+        f"layer{i}": {
+            "w": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+            "b": np.zeros((width,), np.float32),
+        }
+        for i in range(layers)
+    }
+    data = np.random.default_rng(1 + pid)
+    x = data.standard_normal((batch, width)).astype(np.float32)
+    y = np.tanh(x[:, ::-1]).astype(np.float32)
+
+    def loss_fn(p, b):
+        h, target = b
+        for i in range(layers):
+            h = h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"]
+            if i + 1 < layers:
+                h = jnp.tanh(h)
+        return jnp.mean((h - target) ** 2)
+
+    return params, loss_fn, (x, y)
+
+
+# ---------------------------------------------------------------------------
+# Bytes on the wire, from the compiled program
+# ---------------------------------------------------------------------------
+_ITEM = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "u32": 4, "s32": 4, "u16": 2, "s16": 2}
+_ITEM.update({"u8": 1, "s8": 1, "pred": 1, "u64": 8, "s64": 8})
+# What one device sends, as a multiple of a collective's result bytes, over P devices.
+_SENT = {
+    "all-gather": lambda p: (p - 1) / p,
+    "all-to-all": lambda p: (p - 1) / p,
+    "reduce-scatter": lambda p: p - 1,
+    "collective-permute": lambda p: 1.0,
+    "all-reduce": lambda p: 2 * (p - 1) / p,
+}
+
+
+def _result_bytes(result: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", result):
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += _ITEM[dtype] * n
+    return total
+
+
+def sent_bytes(hlo_text: str, procs: int) -> dict[str, int]:
+    """Bytes one device sends per call of the compiled program, per kind of
+    collective (over one axis of ``procs`` devices). An async ``*-start``
+    returns (operand, result): its result is the last element of the tuple."""
+    out: dict[str, int] = {}
+    for kind, scale in _SENT.items():
+        total = 0
+        for result in re.findall(rf"= (.*?) {kind}\(", hlo_text):
+            total += _result_bytes(result)
+        for result in re.findall(rf"= \((.*?)\) {kind}-start\(", hlo_text):
+            parts = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", result)
+            total += _result_bytes(parts[-1]) if parts else 0
+        if total:
+            out[kind] = int(round(total * scale(procs)))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# One process of the job
+# ---------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import jax
+
+    if args.coordinator:  # loopback: no test bed
+        jax.config.update("jax_platforms", "cpu")
+        jax.distributed.initialize(
+            coordinator_address=f"{args.coordinator}:{args.port}",
+            num_processes=args.procs,
+            process_id=args.pid,
+            initialization_timeout=60,
+        )
+        mesh = jax.make_mesh((args.procs,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+    else:
+        mesh = testbed.join(args, "fsdp")
+    import jaxcomp as jc
+
+    if not args.twins and not jc.cpu_available():
+        raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
+    out = {}
+    for row in args.rows:
+        out[row] = compute_row(args) if row == "compute" else sharded_row(args, mesh, row)
+        if args.pid == 0:
+            t = statistics.median(out[row]["step_times"])
+            print(f"{row}: median step {t:.3f} s (process 0)", flush=True)
+    pathlib.Path(args.out).write_text(json.dumps(out))
+    jax.distributed.shutdown()
+
+
+def _timed(call, warmup: int, steps: int) -> list[float]:
+    """Seconds of ``steps`` calls after ``warmup`` (the first compiles),
+    each started together on every process; ``call`` returns what to wait
+    for."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    for _ in range(warmup):
+        jax.block_until_ready(call())
+    times = []
+    for _ in range(steps):
+        multihost_utils.sync_global_devices("step")
+        t0 = time.perf_counter()
+        jax.block_until_ready(call())
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def compute_row(args: argparse.Namespace) -> dict:
+    """The step's compute alone: the whole model's forward, backward and
+    adam update on this process's device and batch, no collectives."""
+    import jax
+    import optax
+
+    params, loss_fn, batch = make_model(args.width, args.layers, args.batch, args.pid)
+    tx = optax.adam(args.lr)
+    dev = jax.local_devices()[0]
+    params = jax.device_put(params, dev)
+    carry = [params, jax.device_put(tx.init(params), dev)]
+    batch = jax.device_put(batch, dev)
+
+    def step(p, s, b):
+        loss, g = jax.value_and_grad(loss_fn)(p, b)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s, loss
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+
+    def call():
+        carry[0], carry[1], loss = step(carry[0], carry[1], batch)
+        return loss
+
+    times = _timed(call, args.warmup, args.steps)
+    return {"step_times": times, "calls": args.warmup + args.steps, "sent": {}}
+
+
+def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
+    import jax
+    import optax
+
+    import jaxcomp as jc
+    from jaxcomp import fsdp  # jc.fsdp once imported
+
+    gather_spec, scatter_spec = ROWS[row]
+    cfg = fsdp.ShardParams(
+        axis="fsdp",
+        parameters=None if gather_spec is None else jc.codecs.get(gather_spec),
+        gradients=None if scatter_spec is None else jc.codecs.get(scatter_spec),
+        error_feedback=True,
+        seed=0,
+    )
+    params, loss_fn, local_batch = make_model(args.width, args.layers, args.batch, args.pid)
+    step = jc.data_parallel(loss_fn, optax.adam(args.lr), mesh, shard_params=cfg)
+    params, state = step.init(params)
+    batch = step.shard_batch(local_batch)
+    # The bytes, from the compiled program (a copy of the step, not donating).
+    text = jax.jit(lambda p, s, b: step(p, s, b)).lower(params, state, batch).compile().as_text()
+    sent = sent_bytes(text, args.procs)
+    carry = [params, state]
+    losses = []
+
+    def call():
+        carry[0], carry[1], loss = step(carry[0], carry[1], batch)
+        losses.append(loss)
+        return loss
+
+    times = _timed(call, args.warmup, args.steps)
+    return {
+        "step_times": times,
+        "calls": args.warmup + args.steps,
+        "sent": sent,
+        "first_loss": float(losses[0]),
+        "last_loss": float(losses[-1]),
+    }
+
+
+# ---------------------------------------------------------------------------
+# The launcher
+# ---------------------------------------------------------------------------
+def launch(args: argparse.Namespace, rows: list[str], hosts: list[str] | None) -> list[dict]:
+    """Runs ``rows`` in one job of ``args.procs`` processes (in the test
+    bed's namespaces ``hosts``, or on loopback for None), every process
+    under ``timeout``; returns each process's results."""
+    port = random.randrange(20000, 60000)
+    with tempfile.TemporaryDirectory(prefix="jc-fsdp-") as tmp:
+        procs, logs = [], []
+        for i in range(args.procs):
+            cmd = ["timeout", "-k", "10", str(args.timeout), sys.executable, __file__]
+            cmd += ["--worker", "--port", str(port), "--procs", str(args.procs), "--pid", str(i)]
+            cmd += ["--out", f"{tmp}/{i}.json", "--rows", *rows, *worker_flags(args)]
+            if hosts is None:
+                cmd += ["--coordinator", "127.0.0.1"]
+            else:
+                cmd = ["ip", "netns", "exec", hosts[i], *cmd]
+            env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+            env.pop("PYTHONPATH", None)
+            log = open(f"{tmp}/{i}.log", "w+")  # closed below
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+        try:
+            deadline = time.monotonic() + args.timeout + 30
+            for p in procs:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            for p in procs:  # whatever is left of this job's process groups
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+        print(texts[0], end="", flush=True)
+        for i, p in enumerate(procs):
+            if p.returncode != 0:
+                raise RuntimeError(f"process {i} failed ({p.returncode}):\n{texts[i][-3000:]}")
+        return [json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text()) for i in range(args.procs)]
+
+
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
+    flags += ["--width", str(args.width), "--layers", str(args.layers), "--lr", str(args.lr)]
+    return flags + (["--twins"] if args.twins else [])
+
+
+def tc_stats(hosts: list[str]) -> list[dict]:
+    """Per host: its shaping (tbf on both ends of its link) and the bytes
+    its own end has sent so far."""
+    out = []
+    for i, ns in enumerate(hosts):
+        host = testbed.run("tc", "-s", "-n", ns, "qdisc", "show", "dev", f"veth{i}").stdout
+        bridge = testbed.run(
+            "tc", "-s", "-n", testbed.BRIDGE_NS + TAG, "qdisc", "show", "dev", f"vbr{i}"
+        ).stdout
+        sent = re.search(r"Sent (\d+) bytes", host)
+        out.append(
+            {
+                "shaped": "tbf" in host and "tbf" in bridge,
+                "rate": (re.findall(r"rate (\S+)", host) or ["?"])[0],
+                "sent": int(sent.group(1)) if sent else 0,
+            }
+        )
+    return out
+
+
+@contextlib.contextmanager
+def free_bed(procs: int, rate: str, wait: float):
+    """The test bed (namespaces tagged ``TAG``), once no other run of this
+    script holds them."""
+    names = {testbed.BRIDGE_NS + TAG, *(f"jcns{TAG}{i}" for i in range(procs))}
+    deadline = time.monotonic() + wait
+    while True:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        busy = names & {line.split()[0] for line in listed.splitlines() if line.strip()}
+        if not busy:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test bed's namespaces {sorted(busy)} stay in use")
+        print(f"waiting for namespaces {sorted(busy)} (another run's test bed)", flush=True)
+        time.sleep(10)
+    with testbed.bed(procs, rate, tag=TAG) as hosts:
+        yield hosts
+
+
+def run_shaped(args: argparse.Namespace, rate: str, row: str) -> dict:
+    """One row on a fresh bed at ``rate``: the processes' results and the
+    tc counters of every host's link before and after."""
+    with free_bed(args.procs, rate, wait=args.timeout) as hosts:
+        before = tc_stats(hosts)
+        unshaped = [h for h in before if not h["shaped"]]
+        if unshaped:
+            raise RuntimeError(f"links not shaped with tbf: {before}")
+        per_proc = launch(args, [row], hosts)
+        after = tc_stats(hosts)
+    return {
+        "procs": [r[row] for r in per_proc],
+        "tc_rate": before[0]["rate"],
+        "tc_sent": [a["sent"] - b["sent"] for a, b in zip(after, before, strict=True)],
+    }
+
+
+# ---------------------------------------------------------------------------
+# Summary
+# ---------------------------------------------------------------------------
+def summarize(raw: dict, procs: int) -> list[dict]:
+    """One record per (link, row): the slowest process's median step, the
+    bytes, the alpha-beta step time and the speedup over float32."""
+    recs = []
+    unshaped = raw.get(LOOPBACK, {})
+    for link, rows in raw.items():
+        rate = testbed.RATES[link][2] if link in testbed.RATES else None
+        for row, run in rows.items():
+            per_proc = run["procs"]
+            step_s = max(statistics.median(pp["step_times"]) for pp in per_proc)
+            sent = sum(per_proc[0]["sent"].values())
+            base = unshaped.get(row) or unshaped.get("compute")
+            base_s = max(statistics.median(pp["step_times"]) for pp in base["procs"]) if base else None
+            rec = {
+                "link": link,
+                "row": row,
+                "label": LABELS[row],
+                "step_s": step_s,
+                "sent_bytes": sent,
+                "sent_by_kind": per_proc[0]["sent"],
+                "steps": len(per_proc[0]["step_times"]),
+                "unshaped_s": base_s,
+                "alpha_beta_s": base_s + 8 * sent / rate if rate and base_s is not None else None,
+                "first_loss": per_proc[0].get("first_loss"),
+                "last_loss": per_proc[0].get("last_loss"),
+            }
+            if run.get("tc_sent"):
+                calls = per_proc[0]["calls"] + 1  # the warm-up calls, the timed ones, and init's
+                rec["tc_sent_per_step"] = max(run["tc_sent"]) / calls
+                rec["tc_rate"] = run["tc_rate"]
+            recs.append(rec)
+    for r in recs:
+        f32 = next((x for x in recs if x["link"] == r["link"] and x["row"] == "float32"), None)
+        r["speedup"] = f32["step_s"] / r["step_s"] if f32 and r["row"] != "compute" else None
+        ok = f32 and r["alpha_beta_s"] and f32["alpha_beta_s"] and r["row"] != "compute"
+        r["alpha_beta_speedup"] = f32["alpha_beta_s"] / r["alpha_beta_s"] if ok else None
+        r["bytes_ratio"] = (
+            f32["sent_bytes"] / r["sent_bytes"] if f32 and r["sent_bytes"] else None
+        )
+    return recs
+
+
+def fmt(x, spec: str, none: str = "-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def table(recs: list[dict]) -> list[str]:
+    lines = [
+        "| link | row | step s | alpha-beta s | MB sent/step (HLO) | MB sent/step (tc) "
+        "| bytes vs float32 | speedup | speedup (alpha-beta) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        tc = r.get("tc_sent_per_step")
+        lines.append(
+            f"| {r['link']} | {r['label']} | {r['step_s']:.3f} | {fmt(r['alpha_beta_s'], '.3f')} "
+            f"| {r['sent_bytes'] / 1e6:.2f} | {fmt(tc and tc / 1e6, '.2f')} "
+            f"| {fmt(r['bytes_ratio'], '.2f', '-')}x | {fmt(r['speedup'], '.2f')} "
+            f"| {fmt(r['alpha_beta_speedup'], '.2f')} |"
+        )
+    return lines
+
+
+def render(data: dict, *, docs: bool) -> list[str]:
+    recs = data["records"]
+    cfg = data["config"]
+    n = cfg["layers"] * cfg["width"] * (cfg["width"] + 1)
+    lines = [
+        f"{data['procs']} processes, one CPU device each; {cfg['layers']} dense layers of "
+        f"{cfg['width']} x {cfg['width']} ({n / 1e6:.2f} M parameters, "
+        f"{4 * n / 1e6:.1f} MB float32), {cfg['batch']} samples per process, adam; "
+        f"median of the slowest process over {cfg['steps']} steps after {cfg['warmup']} "
+        "warm-up steps. alpha-beta: the row's step on unshaped loopback plus the bytes "
+        "sent over the link rate; tc: the bytes each host's link carried, per step.",
+        "",
+        *table(recs),
+    ]
+    if data.get("command"):
+        lines += ["", f"`{data['command']}` ({data.get('date', '')})"]
+    print("\n".join(lines))
+    if not data.get("smoke"):
+        md = ROOT / "benchmarks" / "results" / "fsdp_links.md"
+        md.write_text("\n".join(lines) + "\n")
+        print(f"wrote {md}")
+    if docs:
+        write_doc(lines)
+    return lines
+
+
+def write_doc(lines: list[str]) -> None:
+    if not DOC.exists():
+        print(f"{DOC} does not exist: the table is in benchmarks/results/fsdp_links.md")
+        return
+    text = DOC.read_text()
+    block = "\n".join([BEGIN, *lines, END])
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1]
+    elif MARKER in text:
+        text = text.replace(MARKER, block, 1)
+    else:
+        print(f"{DOC} has neither {MARKER!r} nor the markers {BEGIN!r}: left alone")
+        return
+    DOC.write_text(text)
+    print(f"updated {DOC}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--procs", type=int, default=4)
+    ap.add_argument(
+        "--rates",
+        nargs="*",
+        default=["100mbit", "1gbit"],
+        choices=list(testbed.RATES),
+        help="shaped links (the rows also run once on unshaped loopback)",
+    )
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=["compute", *ROWS])
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
+    ap.add_argument("--batch", type=int, default=16, help="samples per process per step")
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per process (one job)")
+    ap.add_argument("--json", help="default: benchmarks/results/fsdp_links.json")
+    ap.add_argument("--merge", action="store_true", help="keep the JSON's other rows")
+    ap.add_argument("--render", action="store_true", help="the table from the JSON")
+    ap.add_argument("--docs", action="store_true", help="write the table into docs/fsdp.md")
+    ap.add_argument("--twins", action="store_true", help="time the pure-JAX twins")
+    ap.add_argument(
+        "--smoke", action="store_true", help="2 processes on loopback, a tiny model, 2 steps"
+    )
+    ap.add_argument("--coordinator", help=argparse.SUPPRESS)
+    testbed.add_worker_args(ap)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    # A SIGTERM ends the run through its finally blocks (the test bed's teardown).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.twins:
+        os.environ["JAXCOMP_BACKEND"] = "xla"  # inherited by the workers
+    out = pathlib.Path(args.json or ROOT / "benchmarks" / "results" / "fsdp_links.json")
+    if args.render:
+        render(json.loads(out.read_text()), docs=args.docs)
+        return 0
+    import jaxcomp as jc
+
+    if not args.twins and not jc.cpu_available():
+        print(
+            "benchmarks/fsdp_links.py: jaxcomp's CPU kernels are not loaded; or pass --twins",
+            file=sys.stderr,
+        )
+        return 2
+    rows = ["compute", *[r for r in args.rows if r != "compute"]]
+    config = {k: getattr(args, k) for k in ("steps", "warmup", "batch", "width", "layers", "lr")}
+    if args.smoke:
+        args.procs, args.width, args.layers, args.batch = 2, 64, 2, 4
+        args.steps, args.warmup, args.timeout = 2, 1, min(args.timeout, 120)
+        if args.rows == list(ROWS):
+            rows = ["compute", "float32", "int8+qsgd4"]
+        config = {k: getattr(args, k) for k in config}
+        per_proc = launch(args, rows, None)
+        raw = {LOOPBACK: {row: {"procs": [p[row] for p in per_proc]} for row in rows}}
+        data = {"procs": args.procs, "smoke": True, "config": config, "raw": raw}
+        data["records"] = summarize(raw, args.procs)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))
+        render(data, docs=False)
+        return 0
+    why = testbed.probe()
+    if why:
+        print(f"skipped: the emulated-link test bed {why}")
+        return 0
+    data = json.loads(out.read_text()) if args.merge and out.exists() else {}
+    raw = data.setdefault("raw", {})
+    data.update(
+        procs=args.procs,
+        config=config,
+        command=f"python benchmarks/fsdp_links.py {' '.join(sys.argv[1:])}".strip(),
+        date=datetime.date.today().isoformat(),
+    )
+    # Every row on unshaped loopback, in one job: its compute and codec work.
+    print(f"== {LOOPBACK}: {' '.join(rows)}", flush=True)
+    per_proc = launch(args, rows, None)
+    raw[LOOPBACK] = {row: {"procs": [p[row] for p in per_proc]} for row in rows}
+    for rate in args.rates:
+        for row in [r for r in rows if r != "compute"]:
+            print(f"== {rate}: {row}", flush=True)
+            raw.setdefault(rate, {})[row] = run_shaped(args, rate, row)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(data, indent=1))  # after every row: a rerun can merge
+    data["records"] = summarize(raw, args.procs)
+    out.write_text(json.dumps(data, indent=1))
+    render(data, docs=args.docs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
