@@ -166,7 +166,7 @@ def sent_bytes(hlo_text: str, procs: int) -> dict[str, int]:
             parts = re.findall(r"\b[a-z]+\d*\[[\d,]*\]", result)
             total += _result_bytes(parts[-1]) if parts else 0
         if total:
-            out[kind] = int(round(total * scale(procs)))
+            out[kind] = round(total * scale(procs))
     return out
 
 
@@ -406,26 +406,29 @@ def run_shaped(args: argparse.Namespace, rate: str, row: str) -> dict:
 def summarize(raw: dict, procs: int) -> list[dict]:
     """One record per (link, row): the slowest process's median step, the
     bytes, the alpha-beta step time and the speedup over float32."""
-    recs = []
+
+    def slowest(run) -> float:
+        return max(statistics.median(pp["step_times"]) for pp in run["procs"])
+
     unshaped = raw.get(LOOPBACK, {})
+    compute_s = slowest(unshaped["compute"]) if "compute" in unshaped else None
+    recs = []
     for link, rows in raw.items():
         rate = testbed.RATES[link][2] if link in testbed.RATES else None
         for row, run in rows.items():
             per_proc = run["procs"]
-            step_s = max(statistics.median(pp["step_times"]) for pp in per_proc)
             sent = sum(per_proc[0]["sent"].values())
-            base = unshaped.get(row) or unshaped.get("compute")
-            base_s = max(statistics.median(pp["step_times"]) for pp in base["procs"]) if base else None
             rec = {
                 "link": link,
                 "row": row,
                 "label": LABELS[row],
-                "step_s": step_s,
+                "step_s": slowest(run),
+                "unshaped_s": slowest(unshaped[row]) if row in unshaped else None,
+                "compute_s": compute_s,
                 "sent_bytes": sent,
                 "sent_by_kind": per_proc[0]["sent"],
                 "steps": len(per_proc[0]["step_times"]),
-                "unshaped_s": base_s,
-                "alpha_beta_s": base_s + 8 * sent / rate if rate and base_s is not None else None,
+                "alpha_beta_s": compute_s + 8 * sent / rate if rate and compute_s else None,
                 "first_loss": per_proc[0].get("first_loss"),
                 "last_loss": per_proc[0].get("last_loss"),
             }
@@ -436,12 +439,11 @@ def summarize(raw: dict, procs: int) -> list[dict]:
             recs.append(rec)
     for r in recs:
         f32 = next((x for x in recs if x["link"] == r["link"] and x["row"] == "float32"), None)
-        r["speedup"] = f32["step_s"] / r["step_s"] if f32 and r["row"] != "compute" else None
-        ok = f32 and r["alpha_beta_s"] and f32["alpha_beta_s"] and r["row"] != "compute"
+        real = f32 is not None and r["row"] != "compute"
+        r["speedup"] = f32["step_s"] / r["step_s"] if real else None
+        ok = real and r["alpha_beta_s"] and f32["alpha_beta_s"]
         r["alpha_beta_speedup"] = f32["alpha_beta_s"] / r["alpha_beta_s"] if ok else None
-        r["bytes_ratio"] = (
-            f32["sent_bytes"] / r["sent_bytes"] if f32 and r["sent_bytes"] else None
-        )
+        r["bytes_ratio"] = f32["sent_bytes"] / r["sent_bytes"] if real and r["sent_bytes"] else None
     return recs
 
 
@@ -451,22 +453,22 @@ def fmt(x, spec: str, none: str = "-") -> str:
 
 def table(recs: list[dict]) -> list[str]:
     lines = [
-        "| link | row | step s | alpha-beta s | MB sent/step (HLO) | MB sent/step (tc) "
-        "| bytes vs float32 | speedup | speedup (alpha-beta) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| link | row | step s | unshaped s | alpha-beta s | MB sent/step (HLO) "
+        "| MB sent/step (tc) | float32 bytes / row bytes | speedup | speedup (alpha-beta) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in recs:
         tc = r.get("tc_sent_per_step")
         lines.append(
-            f"| {r['link']} | {r['label']} | {r['step_s']:.3f} | {fmt(r['alpha_beta_s'], '.3f')} "
-            f"| {r['sent_bytes'] / 1e6:.2f} | {fmt(tc and tc / 1e6, '.2f')} "
-            f"| {fmt(r['bytes_ratio'], '.2f', '-')}x | {fmt(r['speedup'], '.2f')} "
-            f"| {fmt(r['alpha_beta_speedup'], '.2f')} |"
+            f"| {r['link']} | {r['label']} | {r['step_s']:.3f} | {fmt(r['unshaped_s'], '.3f')} "
+            f"| {fmt(r['alpha_beta_s'], '.3f')} | {r['sent_bytes'] / 1e6:.2f} "
+            f"| {fmt(tc and tc / 1e6, '.2f')} | {fmt(r['bytes_ratio'], '.2f')} "
+            f"| {fmt(r['speedup'], '.2f')} | {fmt(r['alpha_beta_speedup'], '.2f')} |"
         )
     return lines
 
 
-def render(data: dict, *, docs: bool) -> list[str]:
+def render(data: dict, out: pathlib.Path, *, docs: bool) -> list[str]:
     recs = data["records"]
     cfg = data["config"]
     n = cfg["layers"] * cfg["width"] * (cfg["width"] + 1)
@@ -475,8 +477,10 @@ def render(data: dict, *, docs: bool) -> list[str]:
         f"{cfg['width']} x {cfg['width']} ({n / 1e6:.2f} M parameters, "
         f"{4 * n / 1e6:.1f} MB float32), {cfg['batch']} samples per process, adam; "
         f"median of the slowest process over {cfg['steps']} steps after {cfg['warmup']} "
-        "warm-up steps. alpha-beta: the row's step on unshaped loopback plus the bytes "
-        "sent over the link rate; tc: the bytes each host's link carried, per step.",
+        "warm-up steps. unshaped: the same step with the processes on loopback, no "
+        "shaping (compute, codecs and local transport); alpha-beta: the compute alone "
+        "plus the bytes sent over the link rate; tc: the bytes the busiest host's link "
+        "carried, per step.",
         "",
         *table(recs),
     ]
@@ -484,7 +488,7 @@ def render(data: dict, *, docs: bool) -> list[str]:
         lines += ["", f"`{data['command']}` ({data.get('date', '')})"]
     print("\n".join(lines))
     if not data.get("smoke"):
-        md = ROOT / "benchmarks" / "results" / "fsdp_links.md"
+        md = out.with_suffix(".md")
         md.write_text("\n".join(lines) + "\n")
         print(f"wrote {md}")
     if docs:
@@ -550,7 +554,7 @@ def main() -> int:
         os.environ["JAXCOMP_BACKEND"] = "xla"  # inherited by the workers
     out = pathlib.Path(args.json or ROOT / "benchmarks" / "results" / "fsdp_links.json")
     if args.render:
-        render(json.loads(out.read_text()), docs=args.docs)
+        render(json.loads(out.read_text()), out, docs=args.docs)
         return 0
     import jaxcomp as jc
 
@@ -574,7 +578,7 @@ def main() -> int:
         data["records"] = summarize(raw, args.procs)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(data, indent=1))
-        render(data, docs=False)
+        render(data, out, docs=False)
         return 0
     why = testbed.probe()
     if why:
@@ -600,7 +604,7 @@ def main() -> int:
             out.write_text(json.dumps(data, indent=1))  # after every row: a rerun can merge
     data["records"] = summarize(raw, args.procs)
     out.write_text(json.dumps(data, indent=1))
-    render(data, docs=args.docs)
+    render(data, out, docs=args.docs)
     return 0
 
 
