@@ -1,6 +1,6 @@
 """jaxcomp: compressed gradient communication for data-parallel JAX training."""
 
-from jaxcomp import codecs, collectives, launch, ops, optax, train, wire
+from jaxcomp import codecs, collectives, fsdp, launch, ops, optax, train, wire
 from jaxcomp._ffi import cpu_available, cuda_available
 from jaxcomp.collectives import Reduced, pmean, psum
 from jaxcomp.errors import WireFormatError
@@ -19,6 +19,7 @@ __all__ = [
     "cpu_available",
     "cuda_available",
     "data_parallel",
+    "fsdp",
     "launch",
     "ops",
     "optax",
