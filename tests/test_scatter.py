@@ -222,9 +222,14 @@ def test_sent_conserves_and_tiled_is_the_same_sum(mesh8, codec):
     np.testing.assert_array_equal(v, v2)
 
 
-def test_half_precision_inputs(mesh8):
+def test_half_precision_inputs(mesh8, mesh24):
     codec = jc.codecs.Int8(bucket_size=64)
     x = jax.random.normal(jax.random.key(5), (8, 8, 96)).astype(jnp.bfloat16)
+    _, (v2, s2) = _spmd(mesh24, lambda x, k: tuple(jc.psum_scatter(x, TWO, codec))[:2], x)
+    assert v2.dtype == jnp.bfloat16 and s2.dtype == jnp.float32
+    # The bfloat16 value is the float32 sum of what was sent, rounded.
+    total = _rows(s2, 8).sum(0)
+    np.testing.assert_allclose(np.asarray(v2, np.float64).reshape(8, -1), total, rtol=2**-8)
     _, (v, s) = _spmd(mesh8, lambda x, k: tuple(jc.psum_scatter(x, "d", codec))[:2], x)
     assert v.dtype == jnp.bfloat16 and s.dtype == jnp.float32
     exact = _rows(x, 8).sum(0)
@@ -541,6 +546,10 @@ def test_errors_say_what_to_do(mesh8):
             _trace(mesh8, body, x)
     with pytest.raises(ValueError, match="not a multiple"):
         jcc.feedback_size(int8, 10, 4)
+    with pytest.raises(ValueError, match="do not split over 4 devices"):
+        jcc.scatter_nbytes(int8, (10,), jnp.float32, 4)
+    with pytest.raises(ValueError, match="fixed-size codecs"):
+        jcc.gather_nbytes("threelc", (10,), jnp.float32, 4)
 
 
 def test_not_in_the_all_reduce_registry():
