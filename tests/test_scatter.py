@@ -239,7 +239,7 @@ def test_half_precision_inputs(mesh8, mesh24):
     _check_sent(np.asarray(s, np.float64).reshape(8, 8, -1).sum(0), s, 8)
 
 
-@pytest.mark.parametrize("codec", CONSERVING, ids=str)
+@pytest.mark.parametrize("codec", [*CONSERVING, jc.codecs.Identity()], ids=str)
 @pytest.mark.parametrize("two_axes", [False, True], ids=["one-axis", "slow-fast"])
 def test_feedback_conserves(mesh8, mesh24, codec, two_axes):
     """Over the devices, what was to be sent (``x + residual``) is what
