@@ -222,6 +222,21 @@ def test_sent_conserves_and_tiled_is_the_same_sum(mesh8, codec):
     np.testing.assert_array_equal(v, v2)
 
 
+@pytest.mark.parametrize("two_axes", [False, True], ids=["one-axis", "slow-fast"])
+def test_pairwise_all_to_all_gives_the_same_bits(mesh8, mesh24, two_axes):
+    mesh = mesh24 if two_axes else mesh8
+    axis, codec = _axis(mesh), jc.codecs.QSGD(bits=4, bucket_size=64)
+    x = jax.random.normal(jax.random.key(16), (8, 8, 70))
+
+    def body(x, k):
+        native = jc.psum_scatter(x, axis, codec, key=k, all_to_all="native")
+        pairwise = jc.psum_scatter(x, axis, codec, key=k, all_to_all="pairwise")
+        return native.value, pairwise.value
+
+    _, (a, b) = _spmd(mesh, body, x)
+    np.testing.assert_array_equal(a, b)
+
+
 def test_half_precision_inputs(mesh8, mesh24):
     codec = jc.codecs.Int8(bucket_size=64)
     x = jax.random.normal(jax.random.key(5), (8, 8, 96)).astype(jnp.bfloat16)
