@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import collectives
 from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
+from jaxcomp.optax._step import all_finite
 
 __all__ = [
     "Shard",
@@ -254,7 +255,9 @@ class ShardedDataParallel:
     ``params, state, loss = step(params, state, batch)`` runs one step.
     ``tx`` is a plain optax optimizer (``optax.adamw(...)``): the step's own
     collectives average the gradients, and ``tx`` updates each device's
-    shards.
+    shards. A step whose mean gradient (or a new residual) is not finite
+    on some device changes no parameter and no state on any device (its
+    loss shows it), as ``compress_gradients`` keeps its residuals.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)``
@@ -473,8 +476,18 @@ class ShardedDataParallel:
             g = treedef.flatten_up_to(grads)
             g = [lax.pmean(x, axes) if d is None else x for x, d in zip(g, dims, strict=True)]
             grads = treedef.unflatten(g)
-            updates, opt = self.tx.update(grads, opt, params)
-            params = optax.apply_updates(params, updates)
+            # A step whose mean gradient is not finite changes nothing: the
+            # parameters, the optimizer state and the residuals stay as they
+            # were (every device agrees: the flag is reduced over the mesh).
+            ok = lax.pmin(all_finite(jax.tree.leaves((grads, new_res))).astype(jnp.int32), axes)
+            ok = ok.astype(bool)
+            updates, new_opt = self.tx.update(grads, opt, params)
+            new_params = optax.apply_updates(params, updates)
+            params, opt, new_res = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old),
+                (new_params, new_opt, new_res),
+                (params, opt, residuals),
+            )
             loss, aux = out if self.has_aux else (out, None)
             loss = lax.pmean(loss, axes)
             if self.has_aux:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import wire
-from jaxcomp.codecs import QSGD, Codec, Int8, OneBit, Rate, ThreeLC, TopK
+from jaxcomp.codecs import FP8, QSGD, Codec, Int8, OneBit, Rate, ThreeLC, TopK
 
 
 def _cuda_device() -> jax.Device | None:
@@ -490,6 +490,81 @@ def test_train_step_on_one_gpu():
             optax.sgd(0.1),
         )
         step = jaxcomp.data_parallel(loss_fn, tx, mesh)
+        p, s = step.init(jax.device_put(params, device))
+        losses = []
+        with jax.default_matmul_precision("float32"):
+            for _ in range(20):
+                p, s, loss = step(p, s, jax.device_put(batch, device))
+                losses.append(float(loss))
+        return p, losses
+
+    (p_gpu, l_gpu), (p_cpu, l_cpu) = run(GPU), run(CPU)
+    assert l_gpu[-1] < 0.5 * l_gpu[0], l_gpu
+    np.testing.assert_allclose(l_gpu, l_cpu, rtol=2e-2)
+    for k in params:
+        assert p_gpu[k].devices() == {GPU}
+        np.testing.assert_allclose(np.asarray(p_gpu[k]), np.asarray(p_cpu[k]), rtol=0, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------
+# Sharded training's collectives and step on a one-GPU mesh: the bytes of a
+# one-CPU mesh (the decode-and-sum and one-pass kernels on each platform).
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [QSGD(bits=4), Int8(), FP8(), OneBit()], ids=codec_id)
+def test_scatter_and_gather_on_one_gpu_match_one_cpu(codec):
+    x = gpu_input(4 * 16384, np.float32).reshape(4, -1)
+    r = gpu_input(4 * 16384, np.float32) / 8
+
+    def run(device):
+        mesh = _one_device_mesh(device)
+
+        def body(x, r, key):
+            s = jaxcomp.psum_scatter(x, "data", codec, key=key, tiled=True)
+            value, kept = jaxcomp.collectives.psum_scatter_feedback(
+                x, r, "data", codec, key=key, tiled=True
+            )
+            g = jaxcomp.all_gather(x, "data", codec, key=key, tiled=True)
+            return s.value, s.sent, value, kept, g
+
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+        )
+        return [np.asarray(a) for a in f(*_on(device, x, r, jax.random.key(5)))]
+
+    names = ("value", "sent", "feedback value", "kept", "gathered")
+    _report(
+        {
+            what: d
+            for what, g, c in zip(names, run(GPU), run(CPU), strict=True)
+            if (d := _difference(g, c))
+        }
+    )
+
+
+def test_sharded_step_on_one_gpu():
+    """jc.data_parallel(shard_params=...) with an Int8 all-gather and a
+    QSGD-4 reduce-scatter under error feedback on a one-GPU mesh: the loss
+    falls and follows the one-CPU run's (tolerances as in
+    test_train_step_on_one_gpu, for the same reason)."""
+    import optax
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return jnp.mean((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2)
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": jax.random.normal(k1, (64, 512)) / 8,
+        "w2": jax.random.normal(k2, (512, 1)) / 16,
+    }
+    x = jax.random.normal(k3, (256, 64))
+    batch = (x, jnp.sin(x[:, :1]))
+    cfg = jaxcomp.fsdp.ShardParams(axis="data", gradients=QSGD(bits=4), parameters=Int8())
+
+    def run(device):
+        step = jaxcomp.data_parallel(
+            loss_fn, optax.sgd(0.1), _one_device_mesh(device), shard_params=cfg
+        )
         p, s = step.init(jax.device_put(params, device))
         losses = []
         with jax.default_matmul_precision("float32"):
