@@ -252,10 +252,9 @@ def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
     import optax
 
     import jaxcomp as jc
-    from jaxcomp import fsdp  # jc.fsdp once imported
 
     gather_spec, scatter_spec = ROWS[row]
-    cfg = fsdp.ShardParams(
+    cfg = jc.fsdp.ShardParams(
         axis="fsdp",
         parameters=None if gather_spec is None else jc.codecs.get(gather_spec),
         gradients=None if scatter_spec is None else jc.codecs.get(scatter_spec),
