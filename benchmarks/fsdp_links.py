@@ -18,6 +18,15 @@ batch; only the codecs of the two collectives differ:
 - bf16: ``jc.codecs.Cast("bfloat16")`` both ways, with error feedback;
 - QSGD-4 gradients: the reduce-scatter compressed, the all-gather float32.
 
+XLA:CPU's float32 reduce-scatter over gloo is gloo's recursive
+halving-doubling; on 4 ranks the tc counters show ranks 1 and 2 sending
+about a quarter of the gradient more per step than ranks 0 and 3 (which
+send what the HLO count says), so the float32 row's busiest link carries
+more than that count. The compressed reduce-scatter is an
+all-to-all, over several processes of the CPU backend a pairwise exchange
+of ``collective-permute``s (jaxcomp/collectives/_exchange.py), and every
+host sends the same bytes.
+
 The model: a stack of dense layers (4 of 1024 x 1024 by default, tanh
 between them, 4.2 million parameters, 16.8 MB of float32), a regression
 loss, 16 samples per process: little compute per parameter, so that at
@@ -395,10 +404,12 @@ def run_shaped(args: argparse.Namespace, rate: str, row: str) -> dict:
         unshaped = [h for h in before if not h["shaped"]]
         if unshaped:
             raise RuntimeError(f"links not shaped with tbf: {before}")
+        load = os.getloadavg()[0]
         per_proc = launch(args, [row], hosts)
         after = tc_stats(hosts)
     return {
         "procs": [r[row] for r in per_proc],
+        "load": [load, os.getloadavg()[0]],
         "tc_rate": before[0]["rate"],
         "tc_sent": [a["sent"] - b["sent"] for a, b in zip(after, before, strict=True)],
         "tc_received": [a["received"] - b["received"] for a, b in zip(after, before, strict=True)],
@@ -495,6 +506,16 @@ def render(data: dict, out: pathlib.Path, *, docs: bool) -> list[str]:
         "",
         *table(recs),
     ]
+    loads = [
+        x for rows in data["raw"].values() for run in rows.values() for x in run.get("load", [])
+    ]
+    if loads:
+        lines += [
+            "",
+            f"The machine's 1-minute load average over the jobs: {min(loads):.1f} to "
+            f"{max(loads):.1f} on {os.cpu_count()} cores (the codecs' work, and at 1 Gbit the "
+            "whole step, slow down as it rises).",
+        ]
     if data.get("command"):
         lines += ["", f"`{data['command']}` ({data.get('date', '')})"]
     print("\n".join(lines))
@@ -607,8 +628,10 @@ def main() -> int:
     )
     # Every row on unshaped loopback, in one job: its compute and codec work.
     print(f"== {LOOPBACK}: {' '.join(rows)}", flush=True)
+    load = os.getloadavg()[0]
     per_proc = launch(args, rows, None)
-    raw[LOOPBACK] = {row: {"procs": [p[row] for p in per_proc]} for row in rows}
+    load = [load, os.getloadavg()[0]]
+    raw[LOOPBACK] = {row: {"procs": [p[row] for p in per_proc], "load": load} for row in rows}
     for rate in args.rates:
         for row in [r for r in rows if r != "compute"]:
             print(f"== {rate}: {row}", flush=True)
