@@ -386,3 +386,23 @@ def test_hsdp_compresses_the_slow_axis_to_a_sixth():
     assert sent["f32"][0] == 2 * 256 * 512 * 4 / 4
     assert 0 < sent["qsgd4"][0] <= sent["f32"][0] / 6
     assert sent["qsgd4"][1] == sent["f32"][1]  # the fast axis stays exact
+
+
+def test_an_unused_parameter_keeps_its_residual():
+    """A parameter the loss does not use has no backward pass of its gather:
+    its residual stays what it was (overwritten with a zero "gradient" it
+    would lose what the device owes)."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(axis="fsdp", gradients=jc.codecs.QSGD(bits=2))
+    step = jc.data_parallel(
+        lambda p, x: jnp.sum(p["a"] * x.mean(0)),
+        optax.sgd(LR),
+        mesh,
+        shard_params=cfg,
+        donate=False,
+    )
+    params, state = step.init({"a": jnp.ones((64, 8)), "unused": jnp.ones((64, 8))})
+    state = state._replace(residuals=tuple(r + 0.5 for r in state.residuals))
+    _, new, _ = step(params, state, jax.random.normal(jax.random.key(0), (8, 64, 8)))
+    np.testing.assert_array_equal(np.asarray(new.residuals[1]), np.asarray(state.residuals[1]))
+    assert not np.array_equal(np.asarray(new.residuals[0]), np.asarray(state.residuals[0]))
