@@ -406,3 +406,22 @@ def test_an_unused_parameter_keeps_its_residual():
     _, new, _ = step(params, state, jax.random.normal(jax.random.key(0), (8, 64, 8)))
     np.testing.assert_array_equal(np.asarray(new.residuals[1]), np.asarray(state.residuals[1]))
     assert not np.array_equal(np.asarray(new.residuals[0]), np.asarray(state.residuals[0]))
+
+
+def test_aux_is_averaged_and_the_key_differs_per_device():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+
+    def loss(p, batch, key):
+        noise = jax.random.uniform(key, ())  # a draw of this device's key
+        return _mlp(p, batch), {"noise": noise, "n": jnp.ones(())}
+
+    step = jc.data_parallel(
+        loss, optax.sgd(LR), mesh, shard_params="fsdp", has_aux=True, donate=False
+    )
+    params, state = step.init(_params())
+    key = jax.random.key(7)
+    _, _, (value, aux) = step(params, state, _batch(), key)
+    assert float(aux["n"]) == 1.0
+    draws = [jax.random.uniform(jax.random.fold_in(key, d), ()) for d in range(8)]
+    np.testing.assert_allclose(float(aux["noise"]), float(np.mean(draws)), rtol=1e-6)
+    assert float(value) == pytest.approx(float(_mlp(_params(), _batch())), rel=1e-6)
