@@ -1082,6 +1082,385 @@ def predict_step(
 
 
 # ---------------------------------------------------------------------------
+# Sharded training: a step's parameter all-gathers and gradient reduce-scatter
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """One way of training with sharded parameters, as
+    ``jc.fsdp.ShardParams`` configures it.
+
+    Attributes:
+      gradients: the gradient's codec: of its reduce-scatter (FSDP) or of
+        its shard's all-reduce across the processes (HSDP, by ``jc.psum``'s
+        ``auto``); None: exact, lax's collectives in ``dtype``.
+      parameters: the codec of the parameter all-gather; None: exact.
+      hsdp: sharded over the devices of a process and replicated across
+        the processes (``ShardParams(axis=fast, replicate_over=slow)``);
+        False: sharded over every device (FSDP; where processes have
+        several devices, over ``(slow, fast)`` axes: the reduce-scatter
+        exact within a process and compressed across, the all-gather
+        compressed across).
+      dtype: the dtype of the exact collectives: float32, or bfloat16 for
+        a model trained in bf16 (its gradients and parameters exact).
+    """
+
+    gradients: Codec | None = None
+    parameters: Codec | None = None
+    hsdp: bool = False
+    dtype: np.dtype = F32
+
+    @property
+    def layout(self) -> str:
+        return "hsdp" if self.hsdp else "fsdp"
+
+    @property
+    def baseline(self) -> bool:
+        """Whether this is uncompressed sharded training in float32."""
+        return self.gradients is None and self.parameters is None and self.dtype == F32
+
+    @property
+    def name(self) -> str:
+        """The gradients' codec spec, or the exact collectives' dtype."""
+        return self.gradients.spec if self.gradients else np.dtype(self.dtype).name
+
+    @property
+    def parameters_name(self) -> str:
+        return self.parameters.spec if self.parameters else np.dtype(self.dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One collective call of a sharded step for one layer, as the library
+    declares it.
+
+    Attributes:
+      what: what it moves ("parameter all-gather", "gradient
+        reduce-scatter", "gradient all-reduce across processes").
+      collectives: its collectives, each on an axis of ``spans``.
+      spans: per axis ``(nodes, local, groups)``, as :func:`_axes` gives
+        them.
+      calls: its encodes and decodes.
+      residual: float32 values of the error-feedback residual it keeps (0:
+        none).
+      own_decode: values of its own payload that error feedback decodes
+        beside ``calls`` (0 where ``calls`` hold that decode).
+      count: how many times a step runs it.
+    """
+
+    what: str
+    collectives: tuple[Collective, ...]
+    spans: tuple[tuple[int, int, int], ...]
+    calls: tuple[KernelCall, ...] = ()
+    residual: int = 0
+    own_decode: int = 0
+    count: int = 1
+
+
+def _flat(devices: int, nodes: int, local: int) -> tuple[Axes, tuple]:
+    """One axis of ``nodes * local`` devices, node-major, and its span."""
+    return Axes((devices,)), ((nodes, local, 1),)
+
+
+def _shard_axes(cluster: Cluster, hsdp: bool) -> tuple[Axes, tuple]:
+    """The axes the parameters are sharded over on ``cluster``, and their
+    spans: a process's devices (HSDP); every device, over ``(slow,
+    fast)`` axes where processes have several devices (FSDP)."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    if hsdp:
+        return _flat(local, 1, local)
+    if _two_levels(cluster):
+        axes, spans = _axes(cluster, 2)
+        return axes, tuple(spans)
+    return _flat(cluster.devices, nodes, local)
+
+
+def _exact_axes(cluster: Cluster, hsdp: bool) -> tuple[Axes, tuple]:
+    """Where an exact (lax) collective of the shard axes runs: one
+    collective over all of them at once."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    return _flat(local, 1, local) if hsdp else _flat(cluster.devices, nodes, local)
+
+
+def shard_values(n: int, cluster: Cluster, hsdp: bool = False) -> int:
+    """``n`` values padded to a multiple of the devices they are sharded
+    over (a parameter's sharded dimension must divide evenly,
+    ``jc.data_parallel``)."""
+    p = cluster.devices_per_process if hsdp else cluster.devices
+    return -(-n // p) * p
+
+
+def sharded_parts(
+    s: Sharding,
+    n: int,
+    cluster: Cluster,
+    *,
+    regather: bool = True,
+    error_feedback: bool = True,
+    compute: Compute | None = None,
+) -> list[Part]:
+    """The collective calls of one step of sharded training for one layer
+    of ``n`` values (a multiple of the devices it is sharded over,
+    :func:`shard_values`), from the declarations of
+    ``jc.collectives.ReduceScatter`` and ``AllGather`` (and, for HSDP's
+    all-reduce across the processes, the algorithm ``jc.psum`` runs):
+
+    - the parameter all-gather of this device's shard, in the forward
+      pass and, with ``regather``, again in the backward pass (a layer
+      rematerialized with ``jax.checkpoint``, as ZeRO-3 does);
+    - the gradient's reduce-scatter over the shard axes (HSDP: exact);
+    - HSDP: the gradient shard's all-reduce across the processes.
+
+    Raises ValueError where a collective does not take a codec (the
+    reduce-scatter and all-gather take fixed-size codecs).
+    """
+    from jaxcomp.codecs import Identity
+    from jaxcomp.collectives import AllGather, ReduceScatter
+
+    rs, ag = ReduceScatter(), AllGather()
+    axes, spans = _shard_axes(cluster, s.hsdp)
+    shard = n // axes.size
+    parts = []
+    gathers = 2 if regather else 1
+    if s.parameters is None:
+        ex, ex_spans = _exact_axes(cluster, s.hsdp)
+        colls = ag.collectives(Identity(), shard, s.dtype, ex)
+        parts.append(Part("parameter all-gather", tuple(colls), ex_spans, count=gathers))
+    else:
+        colls = ag.collectives(s.parameters, shard, F32, axes)
+        calls = ag.kernel_calls(s.parameters, shard, F32, axes)
+        parts.append(Part("parameter all-gather", tuple(colls), spans, tuple(calls), count=gathers))
+    fb = error_feedback and s.gradients is not None
+    if s.gradients is None or s.hsdp:
+        ex, ex_spans = _exact_axes(cluster, s.hsdp)
+        colls = rs.collectives(Identity(), n, s.dtype if s.gradients is None else F32, ex)
+        parts.append(Part("gradient reduce-scatter", tuple(colls), ex_spans))
+    else:
+        colls = rs.collectives(s.gradients, n, F32, axes)
+        calls = rs.kernel_calls(s.gradients, n, F32, axes)
+        kept = rs.compressed_values(n, axes) if fb else 0
+        parts.append(Part("gradient reduce-scatter", tuple(colls), spans, tuple(calls), kept))
+    if s.hsdp and cluster.processes > 1:
+        across = (cluster.processes, 1, cluster.devices_per_process)  # every device's own
+        if s.gradients is None:
+            colls = [Collective("all-reduce", np.dtype(s.dtype).itemsize * shard)]
+            parts.append(Part("gradient all-reduce across processes", tuple(colls), (across,)))
+        else:
+            c, procs = s.gradients, cluster.processes
+            alg = choose_algorithm(c, shard, procs)
+            colls = collectives(c, alg, shard, procs, _bits(c, compute))
+            calls = kernel_calls(c, alg, shard, procs)
+            own = _named(alg).compressed_values(shard, Axes((procs,))) if fb else 0
+            parts.append(
+                Part(
+                    f"gradient all-reduce across processes ({alg})",
+                    tuple(colls),
+                    (across,),
+                    tuple(calls),
+                    shard if fb else 0,
+                    own,
+                )
+            )
+    return parts
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedEstimate:
+    """The predicted communication of one step of sharded training, in
+    parts (seconds), as :class:`Estimate` has them.
+
+    Attributes:
+      sharding: what is compressed, and the layout.
+      label: how the collectives run ("fsdp", "fsdp(slow, fast)", "hsdp").
+      wire, latency, kernels, memory, inter_bytes, device_bytes: as
+        :class:`Estimate`'s, for the whole step; memory is error
+        feedback's residual passes only.
+      gradient_bits, parameter_bits: wire bits per element of the gradient
+        and of the parameters.
+      regather: whether the backward pass's re-gather is counted.
+    """
+
+    sharding: Sharding
+    label: str
+    wire: float
+    latency: float
+    kernels: float
+    memory: float
+    inter_bytes: float
+    device_bytes: float
+    gradient_bits: float
+    parameter_bits: float
+    regather: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.wire + self.latency + self.kernels + self.memory
+
+    @property
+    def baseline(self) -> bool:
+        return self.sharding.baseline
+
+
+def _wire_bits(codec: Codec | None, n: int, dtype) -> float:
+    if codec is None:
+        return 8.0 * np.dtype(dtype).itemsize
+    return 8 * codec.wire_nbytes((n,), F32) / n
+
+
+def predict_sharded(
+    s: Sharding,
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    regather: bool = True,
+    error_feedback: bool = True,
+    bucket: int | None = None,
+) -> ShardedEstimate:
+    """The predicted communication time of one step of sharded training of
+    ``n`` parameters (:func:`sharded_parts` of each layer), with the link
+    model and kernel rates of the all-reduce rows (:func:`predict`).
+
+    Args:
+      s: what is compressed, and the layout.
+      n: the model's parameters.
+      cluster: the devices and links.
+      compute: the codecs' speed (None: the wire alone).
+      regather: count the backward pass's re-gather of the parameters.
+      error_feedback: count error feedback's residual passes.
+      bucket: values per layer: the model is ``ceil(n / bucket)`` equal
+        layers, each gathered and scattered on its own. None: one.
+    """
+    k = 1 if not bucket or n <= bucket else -(-n // bucket)
+    m = shard_values(-(-n // k), cluster, s.hsdp)
+    parts = sharded_parts(
+        s, m, cluster, regather=regather, error_feedback=error_feedback, compute=compute
+    )
+    wire = latency = kern = mem = inter = dev = 0.0
+    for part in parts:
+        w, a, i, d = _on_axes(part.collectives, cluster, part.spans)
+        wire, latency = wire + part.count * w, latency + part.count * a
+        inter, dev = inter + part.count * i, dev + part.count * d
+        if compute is None:
+            continue
+        calls = list(part.calls)
+        if part.own_decode:
+            calls.append(KernelCall("decode", part.own_decode, s.gradients))
+        seconds = sum(compute.rates(c).seconds(what, v) for what, v, c in calls)
+        kern += part.count * compute.share * seconds
+        mem += part.count * compute.memory_seconds(ERROR_FEEDBACK_BYTES * part.residual)
+    shard_axes, _ = _shard_axes(cluster, s.hsdp)
+    label = s.layout if s.hsdp or len(shard_axes.sizes) == 1 else "fsdp(slow, fast)"
+    e = ShardedEstimate(
+        s,
+        label,
+        wire,
+        latency,
+        kern,
+        mem,
+        inter,
+        dev,
+        _wire_bits(s.gradients, m, s.dtype),
+        _wire_bits(s.parameters, m // shard_axes.size, s.dtype),
+        regather,
+    )
+    return _times_sharded(e, k)
+
+
+def _times_sharded(e: ShardedEstimate, k: int) -> ShardedEstimate:
+    if k == 1:
+        return e
+    fields = ("wire", "latency", "kernels", "memory", "inter_bytes", "device_bytes")
+    return dataclasses.replace(e, **{f: k * getattr(e, f) for f in fields})
+
+
+def shardings(
+    codecs: Sequence[Codec], parameters: Sequence[Codec | None], cluster: Cluster
+) -> list[Sharding]:
+    """The configurations :func:`plan_sharded` ranks: float32 and bf16
+    sharded training, and every gradient codec with every parameter codec;
+    each as FSDP and, where processes have several devices, as HSDP."""
+    layouts = (False, True) if _two_levels(cluster) else (False,)
+    out = []
+    for hsdp in layouts:
+        out.append(Sharding(hsdp=hsdp))
+        out.append(Sharding(hsdp=hsdp, dtype=np.dtype("bfloat16")))
+        for g in codecs:
+            for p in parameters:
+                out.append(Sharding(g, p, hsdp))
+    return out
+
+
+def plan_sharded(
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    codecs: Sequence[Codec] | None = None,
+    parameters: Sequence[Codec | None] = (None,),
+    regather: bool = True,
+    error_feedback: bool = True,
+    bucket: int | None = None,
+) -> tuple[list[ShardedEstimate], list[tuple[Sharding, str]]]:
+    """Sharded training's configurations (:func:`shardings`) predicted and
+    ranked, fastest first, with float32 sharded training (lax's
+    reduce-scatter and all-gather) among them as the baseline.
+
+    Args:
+      n: the model's parameters.
+      cluster, compute, bucket: as :func:`plan`'s (``bucket``: values per
+        layer).
+      codecs: the gradient codecs (default: :func:`default_codecs`).
+      parameters: the parameter all-gather's codecs, None for exact.
+      regather, error_feedback: as :func:`predict_sharded`'s.
+    Returns:
+      ``(rows, left_out)``: the estimates sorted by predicted seconds, and
+      the configurations a collective does not take, each with why.
+    """
+    codecs = default_codecs() if codecs is None else codecs
+    rows, left_out = [], []
+    for s in shardings(codecs, parameters, cluster):
+        try:
+            e = predict_sharded(
+                s,
+                n,
+                cluster,
+                compute,
+                regather=regather,
+                error_feedback=error_feedback,
+                bucket=bucket,
+            )
+        except ValueError as why:
+            left_out.append((s, str(why)))
+            continue
+        rows.append(e)
+    key = lambda e: (e.seconds, e.label, e.sharding.name, e.sharding.parameters_name)  # noqa: E731
+    return sorted(rows, key=key), left_out
+
+
+def sharded_table(rows: Sequence[ShardedEstimate], top: int | None = None) -> str:
+    """A markdown table of ranked sharded-training estimates, with the
+    speedup over the fastest float32 sharded training; ``top``: the best
+    rows only, and the float32 ones."""
+    base = min(e.seconds for e in rows if e.baseline)
+    lines = [
+        "| rank | gradients | parameters | layout | bits/elt (grad, param) | GB out per process "
+        "| wire | latency | codec kernels | memory | total | vs best float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, e in enumerate(rows, 1):
+        if top is not None and i > top and not e.baseline:
+            continue
+        s = e.sharding
+        lines.append(
+            f"| {i} | `{s.name}` | `{s.parameters_name}` | {e.label} "
+            f"| {e.gradient_bits:.2f}, {e.parameter_bits:.2f} | {e.inter_bytes / 1e9:.3f} "
+            f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
+            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # Units and tables, for the command line
 # ---------------------------------------------------------------------------
 _RATE_UNITS = {
