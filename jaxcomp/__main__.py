@@ -243,8 +243,7 @@ def _sharded_header(n: int, k: int, cluster, compute, args) -> str:
         "processes have several devices, the gradient reduce-scatter exact within a process "
         "and compressed across, the parameter all-gather compressed across; hsdp: sharded "
         "within a process and replicated across, exact within, the gradient shard all-reduced "
-        "across the processes with its codec (jc.psum, algorithm auto)"
-        + "\nmemory: error feedback's residual passes only\n"
+        "across the processes with its codec (jc.psum, algorithm auto)\n"
     )
 
 

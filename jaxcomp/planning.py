@@ -44,7 +44,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -482,15 +482,59 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     for an algorithm of two axes) and reads XLA's cost and memory
     analyses. Needs ``prod(shape)`` CPU devices (``jax_num_cpu_devices``)."""
     import jax
-    from jax.sharding import PartitionSpec as P
 
     from jaxcomp.collectives import psum
+
+    def f(x, axis, k):
+        if codec is None:
+            return jax.lax.psum(x, axis)
+        return psum(x, axis, codec, key=k, algorithm=algorithm).value
+
+    return _compiled_traffic(f, shape, n, "float32")
+
+
+@functools.cache
+def sharded_traffic(
+    collective: str, codec: Codec | None, shape: tuple[int, ...], n: int, dtype: str = "float32"
+) -> Traffic:
+    """:func:`program_traffic` of a collective of sharded training:
+    ``collective`` is ``jc.collectives.ReduceScatter``'s name (``jc.psum_scatter``
+    of ``n`` values, tiled), ``AllGather``'s (``jc.all_gather`` of ``n``),
+    or :data:`BASELINE` (``lax.psum``); ``codec`` None: lax's collective,
+    in ``dtype``."""
+    from jax import lax
+
+    from jaxcomp.collectives import AllGather, ReduceScatter, all_gather, psum_scatter
+
+    def f(x, axis, k):
+        if collective == ReduceScatter.name:
+            if codec is None:
+                return lax.psum_scatter(x, axis, tiled=True)
+            # The value and what was sent (error feedback's residual is made of it).
+            return tuple(psum_scatter(x, axis, codec, key=k, tiled=True))[:2]
+        if collective == AllGather.name:
+            if codec is None:
+                return lax.all_gather(x, axis, tiled=True)
+            return all_gather(x, axis, codec, key=k, tiled=True)
+        if collective == BASELINE and codec is None:
+            return lax.psum(x, axis)
+        raise ValueError(f"jaxcomp.planning: no sharded program {collective!r} of {codec!r}")
+
+    return _compiled_traffic(f, shape, n, dtype)
+
+
+def _compiled_traffic(body, shape: tuple[int, ...], n: int, dtype: str) -> Traffic:
+    """Compiles ``body(x, axis, key)`` (an array, or a tuple of them) of
+    this device's ``n`` values of ``dtype`` on a CPU mesh of ``shape`` and
+    reads XLA's cost and memory analyses, per value."""
+    import jax
+    from jax.sharding import PartitionSpec as P
 
     count = math.prod(shape)
     cpus = jax.devices("cpu")
     if len(cpus) < count:
         raise RuntimeError(
-            f"jaxcomp.planning: {count} CPU devices needed to compile the all-reduce, "
+            f"jaxcomp.planning: {count} CPU devices needed to compile the collective, "
             f"{len(cpus)} present (set jax_num_cpu_devices before JAX starts)"
         )
     names = ("slow", "fast") if len(shape) == 2 else ("data",)
@@ -498,12 +542,10 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     mesh = jax.sharding.Mesh(np.array(cpus[:count]).reshape(shape), names)
 
     def f(x, k):
-        if codec is None:
-            return jax.lax.psum(x, axis)
-        return psum(x[0], axis, codec, key=k, algorithm=algorithm).value[None]
+        return jax.tree.map(lambda y: y[None], body(x[0], axis, k))
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)))
-    x = jax.ShapeDtypeStruct((count, n), np.float32)
+    x = jax.ShapeDtypeStruct((count, n), np.dtype(dtype))
     compiled = g.lower(x, jax.random.key(0)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -526,21 +568,31 @@ def traffic(
     extrapolated linearly in the devices from two sizes where it grows
     (the allgather's decoded rows and the ring's copies grow with P), held
     where it does not."""
+    return _extrapolated(lambda s: program_traffic(codec, algorithm, s, n), shape)
+
+
+def _sharded_at(collective, codec, shape, dtype) -> Traffic:
+    """:func:`sharded_traffic` for any number of devices (as :func:`traffic`)."""
+    return _extrapolated(lambda s: sharded_traffic(collective, codec, s, 1 << 16, dtype), shape)
+
+
+def _extrapolated(compiled_at, shape: tuple[int, ...]) -> Traffic:
+    """:func:`traffic`'s rule over ``compiled_at(shape) -> Traffic``."""
     import jax
 
     most = min(len(jax.devices("cpu")), TRAFFIC_MAX_DEVICES)
     if most < 2:
         raise RuntimeError(
-            "jaxcomp.planning: compiling the all-reduce needs 2 or more CPU devices "
+            "jaxcomp.planning: compiling the collectives needs 2 or more CPU devices "
             "(jax.config.update('jax_num_cpu_devices', 8) before JAX starts), or --no-compute"
         )
     if len(shape) == 2:
-        return program_traffic(codec, algorithm, (min(shape[0], most // 2), min(shape[1], 2)), n)
+        return compiled_at((min(shape[0], most // 2), min(shape[1], 2)))
     (p,) = shape
     if p <= most:
-        return program_traffic(codec, algorithm, (p,), n)
-    a = program_traffic(codec, algorithm, (most // 2,), n)
-    b = program_traffic(codec, algorithm, (most,), n)
+        return compiled_at((p,))
+    a = compiled_at((most // 2,))
+    b = compiled_at((most,))
     t = (p - most) / (most - most // 2)
     grow = lambda u, v: v + max(v - u, 0.0) * t  # noqa: E731
     return Traffic(grow(a.accessed, b.accessed), grow(a.temp, b.temp), b.output, b.kernel_calls)
@@ -1145,6 +1197,10 @@ class Part:
       own_decode: values of its own payload that error feedback decodes
         beside ``calls`` (0 where ``calls`` hold that decode).
       count: how many times a step runs it.
+      traffic: XLA:CPU's accounting of its compiled program, per value
+        (:func:`sharded_traffic`, :func:`traffic`), computed when called;
+        None: no program (one device).
+      values: this device's values in its program's input.
     """
 
     what: str
@@ -1154,6 +1210,8 @@ class Part:
     residual: int = 0
     own_decode: int = 0
     count: int = 1
+    traffic: Callable[[], Traffic] | None = dataclasses.field(default=None, compare=False)
+    values: int = 0
 
 
 def _flat(devices: int, nodes: int, local: int) -> tuple[Axes, tuple]:
@@ -1218,46 +1276,94 @@ def sharded_parts(
 
     rs, ag = ReduceScatter(), AllGather()
     axes, spans = _shard_axes(cluster, s.hsdp)
+    ex, ex_spans = _exact_axes(cluster, s.hsdp)
     shard = n // axes.size
+    dtype = np.dtype(s.dtype).name
     parts = []
+
+    def program(collective, codec, on, dt=dtype):
+        if on.size == 1 and not on.hierarchical:
+            return None
+        return functools.partial(_sharded_at, collective, codec, on.sizes, dt)
+
     gathers = 2 if regather else 1
-    if s.parameters is None:
-        ex, ex_spans = _exact_axes(cluster, s.hsdp)
+    c = s.parameters
+    if c is None:
         colls = ag.collectives(Identity(), shard, s.dtype, ex)
-        parts.append(Part("parameter all-gather", tuple(colls), ex_spans, count=gathers))
+        t = program(ag.name, None, ex)
+        parts.append(
+            Part(
+                "parameter all-gather",
+                tuple(colls),
+                ex_spans,
+                count=gathers,
+                traffic=t,
+                values=shard,
+            )
+        )
     else:
-        colls = ag.collectives(s.parameters, shard, F32, axes)
-        calls = ag.kernel_calls(s.parameters, shard, F32, axes)
-        parts.append(Part("parameter all-gather", tuple(colls), spans, tuple(calls), count=gathers))
-    fb = error_feedback and s.gradients is not None
-    if s.gradients is None or s.hsdp:
-        ex, ex_spans = _exact_axes(cluster, s.hsdp)
-        colls = rs.collectives(Identity(), n, s.dtype if s.gradients is None else F32, ex)
-        parts.append(Part("gradient reduce-scatter", tuple(colls), ex_spans))
+        colls = ag.collectives(c, shard, F32, axes)
+        calls = ag.kernel_calls(c, shard, F32, axes)
+        t = program(ag.name, c, axes, "float32")
+        parts.append(
+            Part(
+                "parameter all-gather",
+                tuple(colls),
+                spans,
+                tuple(calls),
+                count=gathers,
+                traffic=t,
+                values=shard,
+            )
+        )
+    c = s.gradients
+    fb = error_feedback and c is not None
+    if c is None or s.hsdp:
+        dt = s.dtype if c is None else F32
+        colls = rs.collectives(Identity(), n, dt, ex)
+        t = program(rs.name, None, ex, np.dtype(dt).name)
+        parts.append(Part("gradient reduce-scatter", tuple(colls), ex_spans, traffic=t, values=n))
     else:
-        colls = rs.collectives(s.gradients, n, F32, axes)
-        calls = rs.kernel_calls(s.gradients, n, F32, axes)
+        colls = rs.collectives(c, n, F32, axes)
+        calls = rs.kernel_calls(c, n, F32, axes)
         kept = rs.compressed_values(n, axes) if fb else 0
-        parts.append(Part("gradient reduce-scatter", tuple(colls), spans, tuple(calls), kept))
+        t = program(rs.name, c, axes, "float32")
+        parts.append(
+            Part(
+                "gradient reduce-scatter",
+                tuple(colls),
+                spans,
+                tuple(calls),
+                kept,
+                traffic=t,
+                values=n,
+            )
+        )
     if s.hsdp and cluster.processes > 1:
-        across = (cluster.processes, 1, cluster.devices_per_process)  # every device's own
-        if s.gradients is None:
+        procs = cluster.processes
+        across = (procs, 1, cluster.devices_per_process)  # every device's own
+        if c is None:
             colls = [Collective("all-reduce", np.dtype(s.dtype).itemsize * shard)]
-            parts.append(Part("gradient all-reduce across processes", tuple(colls), (across,)))
+            t = program(BASELINE, None, Axes((procs,)))
+            what = "gradient all-reduce across processes"
+            parts.append(Part(what, tuple(colls), (across,), traffic=t, values=shard))
         else:
-            c, procs = s.gradients, cluster.processes
             alg = choose_algorithm(c, shard, procs)
             colls = collectives(c, alg, shard, procs, _bits(c, compute))
             calls = kernel_calls(c, alg, shard, procs)
             own = _named(alg).compressed_values(shard, Axes((procs,))) if fb else 0
+            t = functools.partial(traffic, c, alg, (procs,))
+            what = f"gradient all-reduce across processes ({alg})"
             parts.append(
                 Part(
-                    f"gradient all-reduce across processes ({alg})",
+                    what,
                     tuple(colls),
                     (across,),
                     tuple(calls),
                     shard if fb else 0,
                     own,
+                    traffic=t,
+                    values=shard,
                 )
             )
     return parts
@@ -1272,8 +1378,9 @@ class ShardedEstimate:
       sharding: what is compressed, and the layout.
       label: how the collectives run ("fsdp", "fsdp(slow, fast)", "hsdp").
       wire, latency, kernels, memory, inter_bytes, device_bytes: as
-        :class:`Estimate`'s, for the whole step; memory is error
-        feedback's residual passes only.
+        :class:`Estimate`'s, for the whole step (memory: the compiled
+        collectives' memory traffic on CPUs, and error feedback's
+        residual passes).
       gradient_bits, parameter_bits: wire bits per element of the gradient
         and of the parameters.
       regather: whether the backward pass's re-gather is counted.
@@ -1348,6 +1455,8 @@ def predict_sharded(
         seconds = sum(compute.rates(c).seconds(what, v) for what, v, c in calls)
         kern += part.count * compute.share * seconds
         mem += part.count * compute.memory_seconds(ERROR_FEEDBACK_BYTES * part.residual)
+        if compute.platform == "cpu" and part.traffic is not None:
+            mem += part.count * _memory_seconds(compute, part.traffic(), part.values)
     shard_axes, _ = _shard_axes(cluster, s.hsdp)
     label = s.layout if s.hsdp or len(shard_axes.sizes) == 1 else "fsdp(slow, fast)"
     e = ShardedEstimate(

@@ -4,6 +4,7 @@ jc.psum_scatter / jc.all_gather send, HSDP's slow link carries the shard's
 all-reduce alone, compression wins on a slow link, and the command runs."""
 
 import contextlib
+import dataclasses
 import io
 
 import jax
@@ -228,3 +229,28 @@ def test_cli_ranks_sharded_training():
     assert len(rows) > 2 and {r[2] for r in rows} == {"`float32`", "`bfloat16`"}
     rc, _ = _run("--param-codecs", "int9")
     assert rc == 2
+
+
+def test_cpu_rows_count_the_compiled_collectives_memory_traffic():
+    """On CPUs a row's memory term is XLA's accounting of the compiled
+    jc.psum_scatter / jc.all_gather (and lax's), as the all-reduce rows'
+    is; the compiled programs run the kernels the plan charges."""
+    from jaxcomp._axes import Axes
+
+    rates = {repr(c): planning.KernelRates((1 << 20,), (5.0,), (5.0,), 8.0) for c in (QSGD4, INT8)}
+    cpu = planning.Compute("cpu", rates, memcpy_gbps=10.0, source="synthetic")
+    gpu = dataclasses.replace(cpu, platform="gpu")
+    cluster = planning.Cluster(4, 1, SLOW)
+    for s in (planning.Sharding(), planning.Sharding(QSGD4, INT8)):
+        on_cpu = planning.predict_sharded(s, 1 << 20, cluster, cpu)
+        on_gpu = planning.predict_sharded(s, 1 << 20, cluster, gpu)
+        assert on_cpu.memory > on_gpu.memory
+        assert (on_cpu.wire, on_cpu.kernels) == (on_gpu.wire, on_gpu.kernels)
+    if jc.cpu_available() and jc._ffi.resolve_backend("auto") is not jc._ffi.Backend.XLA:
+        n, axes = 1 << 16, Axes((4,))
+        for alg, codec, values in (
+            (jc.collectives.ReduceScatter(), QSGD4, n),
+            (jc.collectives.AllGather(), INT8, n),
+        ):
+            t = planning.sharded_traffic(alg.name, codec, (4,), values)
+            assert t.kernel_calls == len(alg.kernel_calls(codec, values, F32, axes))
