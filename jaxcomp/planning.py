@@ -1191,11 +1191,10 @@ class Part:
       collectives: its collectives, each on an axis of ``spans``.
       spans: per axis ``(nodes, local, groups)``, as :func:`_axes` gives
         them.
-      calls: its encodes and decodes.
+      calls: its encodes and decodes, with error feedback's decode of its
+        own payload where it runs one.
       residual: float32 values of the error-feedback residual it keeps (0:
         none).
-      own_decode: values of its own payload that error feedback decodes
-        beside ``calls`` (0 where ``calls`` hold that decode).
       count: how many times a step runs it.
       traffic: XLA:CPU's accounting of its compiled program, per value
         (:func:`sharded_traffic`, :func:`traffic`), computed when called;
@@ -1208,7 +1207,6 @@ class Part:
     spans: tuple[tuple[int, int, int], ...]
     calls: tuple[KernelCall, ...] = ()
     residual: int = 0
-    own_decode: int = 0
     count: int = 1
     traffic: Callable[[], Traffic] | None = dataclasses.field(default=None, compare=False)
     values: int = 0
@@ -1271,102 +1269,111 @@ def sharded_parts(
     Raises ValueError where a collective does not take a codec (the
     reduce-scatter and all-gather take fixed-size codecs).
     """
-    from jaxcomp.codecs import Identity
-    from jaxcomp.collectives import AllGather, ReduceScatter
-
-    rs, ag = ReduceScatter(), AllGather()
-    axes, spans = _shard_axes(cluster, s.hsdp)
-    ex, ex_spans = _exact_axes(cluster, s.hsdp)
-    shard = n // axes.size
-    dtype = np.dtype(s.dtype).name
-    parts = []
-
-    def program(collective, codec, on, dt=dtype):
-        if on.size == 1 and not on.hierarchical:
-            return None
-        return functools.partial(_sharded_at, collective, codec, on.sizes, dt)
-
-    gathers = 2 if regather else 1
-    c = s.parameters
-    if c is None:
-        colls = ag.collectives(Identity(), shard, s.dtype, ex)
-        t = program(ag.name, None, ex)
-        parts.append(
-            Part(
-                "parameter all-gather",
-                tuple(colls),
-                ex_spans,
-                count=gathers,
-                traffic=t,
-                values=shard,
-            )
-        )
-    else:
-        colls = ag.collectives(c, shard, F32, axes)
-        calls = ag.kernel_calls(c, shard, F32, axes)
-        t = program(ag.name, c, axes, "float32")
-        parts.append(
-            Part(
-                "parameter all-gather",
-                tuple(colls),
-                spans,
-                tuple(calls),
-                count=gathers,
-                traffic=t,
-                values=shard,
-            )
-        )
-    c = s.gradients
-    fb = error_feedback and c is not None
-    if c is None or s.hsdp:
-        dt = s.dtype if c is None else F32
-        colls = rs.collectives(Identity(), n, dt, ex)
-        t = program(rs.name, None, ex, np.dtype(dt).name)
-        parts.append(Part("gradient reduce-scatter", tuple(colls), ex_spans, traffic=t, values=n))
-    else:
-        colls = rs.collectives(c, n, F32, axes)
-        calls = rs.kernel_calls(c, n, F32, axes)
-        kept = rs.compressed_values(n, axes) if fb else 0
-        t = program(rs.name, c, axes, "float32")
-        parts.append(
-            Part(
-                "gradient reduce-scatter",
-                tuple(colls),
-                spans,
-                tuple(calls),
-                kept,
-                traffic=t,
-                values=n,
-            )
-        )
+    gather = _gather_part(s, n, cluster)
+    parts = [dataclasses.replace(gather, count=2 if regather else 1)]
+    fb = error_feedback and s.gradients is not None
+    parts.append(_scatter_part(s, n, cluster, fb))
     if s.hsdp and cluster.processes > 1:
-        procs = cluster.processes
-        across = (procs, 1, cluster.devices_per_process)  # every device's own
-        if c is None:
-            colls = [Collective("all-reduce", np.dtype(s.dtype).itemsize * shard)]
-            t = program(BASELINE, None, Axes((procs,)))
-            what = "gradient all-reduce across processes"
-            parts.append(Part(what, tuple(colls), (across,), traffic=t, values=shard))
-        else:
-            alg = choose_algorithm(c, shard, procs)
-            colls = collectives(c, alg, shard, procs, _bits(c, compute))
-            calls = kernel_calls(c, alg, shard, procs)
-            own = _named(alg).compressed_values(shard, Axes((procs,))) if fb else 0
-            t = functools.partial(traffic, c, alg, (procs,))
-            what = f"gradient all-reduce across processes ({alg})"
-            parts.append(
-                Part(
-                    what,
-                    tuple(colls),
-                    (across,),
-                    tuple(calls),
-                    shard if fb else 0,
-                    own,
-                    traffic=t,
-                    values=shard,
-                )
-            )
+        parts.append(_across_part(s, n // cluster.devices_per_process, cluster, fb, compute))
     return parts
+
+
+def _program(collective: str, codec: Codec | None, axes: Axes, dtype) -> Callable | None:
+    """The :class:`Part` traffic of ``collective`` (:func:`sharded_traffic`)
+    over ``axes``; None on one device."""
+    if axes.size == 1 and not axes.hierarchical:
+        return None
+    return functools.partial(_sharded_at, collective, codec, axes.sizes, np.dtype(dtype).name)
+
+
+def _gather_part(s: Sharding, n: int, cluster: Cluster) -> Part:
+    """The all-gather of this device's shard of a layer of ``n`` values."""
+    from jaxcomp.codecs import Identity
+    from jaxcomp.collectives import AllGather
+
+    ag, c = AllGather(), s.parameters
+    axes, spans = _shard_axes(cluster, s.hsdp)
+    shard = n // axes.size
+    if c is None:
+        axes, spans = _exact_axes(cluster, s.hsdp)
+        colls = ag.collectives(Identity(), shard, s.dtype, axes)
+        return Part(
+            "parameter all-gather",
+            tuple(colls),
+            spans,
+            traffic=_program(ag.name, None, axes, s.dtype),
+            values=shard,
+        )
+    return Part(
+        "parameter all-gather",
+        tuple(ag.collectives(c, shard, F32, axes)),
+        spans,
+        tuple(ag.kernel_calls(c, shard, F32, axes)),
+        traffic=_program(ag.name, c, axes, F32),
+        values=shard,
+    )
+
+
+def _scatter_part(s: Sharding, n: int, cluster: Cluster, feedback: bool) -> Part:
+    """The reduce-scatter of this device's gradient of a layer of ``n``
+    values: exact in the training dtype, or HSDP's in float32 (the
+    gradient is cast to float32 first), else compressed, with a residual
+    of what it compresses under error feedback."""
+    from jaxcomp.codecs import Identity
+    from jaxcomp.collectives import ReduceScatter
+
+    rs, c = ReduceScatter(), s.gradients
+    if c is None or s.hsdp:
+        axes, spans = _exact_axes(cluster, s.hsdp)
+        dtype = s.dtype if c is None else F32
+        return Part(
+            "gradient reduce-scatter",
+            tuple(rs.collectives(Identity(), n, dtype, axes)),
+            spans,
+            traffic=_program(rs.name, None, axes, dtype),
+            values=n,
+        )
+    axes, spans = _shard_axes(cluster, s.hsdp)
+    return Part(
+        "gradient reduce-scatter",
+        tuple(rs.collectives(c, n, F32, axes)),
+        spans,
+        tuple(rs.kernel_calls(c, n, F32, axes)),
+        rs.compressed_values(n, axes) if feedback else 0,
+        traffic=_program(rs.name, c, axes, F32),
+        values=n,
+    )
+
+
+def _across_part(
+    s: Sharding, shard: int, cluster: Cluster, feedback: bool, compute: Compute | None
+) -> Part:
+    """HSDP: every device's all-reduce of its gradient shard of ``shard``
+    values across the processes (``lax.psum``, or ``jc.psum`` by
+    ``auto``), the devices of a process at once over its link."""
+    procs, c = cluster.processes, s.gradients
+    across = ((procs, 1, cluster.devices_per_process),)
+    if c is None:
+        return Part(
+            "gradient all-reduce across processes",
+            (Collective("all-reduce", np.dtype(s.dtype).itemsize * shard),),
+            across,
+            traffic=_program(BASELINE, None, Axes((procs,)), s.dtype),
+            values=shard,
+        )
+    alg = choose_algorithm(c, shard, procs)
+    calls = list(kernel_calls(c, alg, shard, procs))
+    if feedback and c.name != "identity":  # as predict's error feedback: its own payload
+        calls.append(KernelCall("decode", _named(alg).compressed_values(shard, Axes((procs,))), c))
+    return Part(
+        f"gradient all-reduce across processes ({alg})",
+        tuple(collectives(c, alg, shard, procs, _bits(c, compute))),
+        across,
+        tuple(calls),
+        shard if feedback else 0,
+        traffic=functools.partial(traffic, c, alg, (procs,)),
+        values=shard,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1442,21 +1449,8 @@ def predict_sharded(
     parts = sharded_parts(
         s, m, cluster, regather=regather, error_feedback=error_feedback, compute=compute
     )
-    wire = latency = kern = mem = inter = dev = 0.0
-    for part in parts:
-        w, a, i, d = _on_axes(part.collectives, cluster, part.spans)
-        wire, latency = wire + part.count * w, latency + part.count * a
-        inter, dev = inter + part.count * i, dev + part.count * d
-        if compute is None:
-            continue
-        calls = list(part.calls)
-        if part.own_decode:
-            calls.append(KernelCall("decode", part.own_decode, s.gradients))
-        seconds = sum(compute.rates(c).seconds(what, v) for what, v, c in calls)
-        kern += part.count * compute.share * seconds
-        mem += part.count * compute.memory_seconds(ERROR_FEEDBACK_BYTES * part.residual)
-        if compute.platform == "cpu" and part.traffic is not None:
-            mem += part.count * _memory_seconds(compute, part.traffic(), part.values)
+    costs = [_part_cost(part, cluster, compute) for part in parts]
+    wire, latency, kern, mem, inter, dev = (sum(c) for c in zip(*costs, strict=True))
     shard_axes, _ = _shard_axes(cluster, s.hsdp)
     label = s.layout if s.hsdp or len(shard_axes.sizes) == 1 else "fsdp(slow, fast)"
     e = ShardedEstimate(
@@ -1473,6 +1467,20 @@ def predict_sharded(
         regather,
     )
     return _times_sharded(e, k)
+
+
+def _part_cost(part: Part, cluster: Cluster, compute: Compute | None) -> tuple[float, ...]:
+    """(wire, latency, kernel and memory seconds, bytes out of a process
+    and of a device) of a step's runs of ``part``: the all-reduce rows'
+    terms (:func:`predict`)."""
+    wire, latency, inter, dev = _on_axes(part.collectives, cluster, part.spans)
+    kern = mem = 0.0
+    if compute is not None:
+        kern = compute.share * sum(compute.rates(c).seconds(w, v) for w, v, c in part.calls)
+        mem = compute.memory_seconds(ERROR_FEEDBACK_BYTES * part.residual)
+        if compute.platform == "cpu" and part.traffic is not None:
+            mem += _memory_seconds(compute, part.traffic(), part.values)
+    return tuple(part.count * x for x in (wire, latency, kern, mem, inter, dev))
 
 
 def _times_sharded(e: ShardedEstimate, k: int) -> ShardedEstimate:
