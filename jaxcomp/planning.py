@@ -29,6 +29,12 @@ it predicts the time of every codec x algorithm and ranks them against
   32 MiB, from fresh zeroed pages), from ``memory_analysis()``; plus, with
   error feedback, the residual's passes.
 
+Sharded training (``python -m jaxcomp plan --shard-params``,
+:func:`plan_sharded`) is priced with the same terms: a step's parameter
+all-gathers and gradient reduce-scatter per layer, as
+``jc.collectives.ReduceScatter`` and ``AllGather`` declare their
+collectives and kernel calls, ranked against float32 sharded training.
+
 Everything runs in sequence: XLA:CPU runs a collective's neighbours before
 or after it, not beside it (docs/collectives.md, "Overlap"), so the parts
 add up. On GPUs that is pessimistic where XLA overlaps compute with
