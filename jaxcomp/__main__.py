@@ -252,6 +252,14 @@ def _plan_sharded(args: argparse.Namespace, codecs, cluster, n: int, bucket) -> 
     against float32 sharded training."""
     from jaxcomp import planning
 
+    if args.algorithms:
+        print(
+            "python -m jaxcomp plan: error: --algorithms picks all-reduce algorithms; "
+            "--shard-params ranks sharded training, whose collectives are the reduce-scatter "
+            "and all-gather (HSDP's all-reduce across processes runs jc.psum's auto)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         params = _param_codecs(args.param_codecs)
     except (ValueError, TypeError) as e:

@@ -229,6 +229,8 @@ def test_cli_ranks_sharded_training():
     assert len(rows) > 2 and {r[2] for r in rows} == {"`float32`", "`bfloat16`"}
     rc, _ = _run("--param-codecs", "int9")
     assert rc == 2
+    rc, _ = _run("--algorithms", "ring")
+    assert rc == 2
 
 
 def test_cpu_rows_count_the_compiled_collectives_memory_traffic():
