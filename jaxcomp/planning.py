@@ -1076,7 +1076,8 @@ def accuracy_class(loss: float | str | None) -> str:
 
 def times(e: Estimate, k: float) -> Estimate:
     """``k`` all-reduces like ``e``, one after the other (a fraction: one
-    every ``1 / k`` steps, per step)."""
+    every ``1 / k`` steps, per step); also ``k`` layers of a
+    :class:`ShardedEstimate`."""
     if k == 1:
         return e
     return dataclasses.replace(
@@ -1472,7 +1473,7 @@ def predict_sharded(
         _wire_bits(s.parameters, m // shard_axes.size, s.dtype),
         regather,
     )
-    return _times_sharded(e, k)
+    return times(e, k)
 
 
 def _part_cost(part: Part, cluster: Cluster, compute: Compute | None) -> tuple[float, ...]:
@@ -1487,13 +1488,6 @@ def _part_cost(part: Part, cluster: Cluster, compute: Compute | None) -> tuple[f
         if compute.platform == "cpu" and part.traffic is not None:
             mem += _memory_seconds(compute, part.traffic(), part.values)
     return tuple(part.count * x for x in (wire, latency, kern, mem, inter, dev))
-
-
-def _times_sharded(e: ShardedEstimate, k: int) -> ShardedEstimate:
-    if k == 1:
-        return e
-    fields = ("wire", "latency", "kernels", "memory", "inter_bytes", "device_bytes")
-    return dataclasses.replace(e, **{f: k * getattr(e, f) for f in fields})
 
 
 def shardings(
@@ -1576,9 +1570,7 @@ def sharded_table(rows: Sequence[ShardedEstimate], top: int | None = None) -> st
         s = e.sharding
         lines.append(
             f"| {i} | `{s.name}` | `{s.parameters_name}` | {e.label} "
-            f"| {e.gradient_bits:.2f}, {e.parameter_bits:.2f} | {e.inter_bytes / 1e9:.3f} "
-            f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
-            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x |"
+            f"| {e.gradient_bits:.2f}, {e.parameter_bits:.2f} | {_time_cells(e, base)} |"
         )
     return "\n".join(lines)
 
@@ -1634,6 +1626,16 @@ def _fmt_s(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
+def _time_cells(e, base: float) -> str:
+    """The cells both tables share: GB out per process, the time's parts,
+    the total and the speedup over ``base`` seconds."""
+    return (
+        f"{e.inter_bytes / 1e9:.3f} | {_fmt_s(e.wire)} | {_fmt_s(e.latency)} "
+        f"| {_fmt_s(e.kernels)} | {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} "
+        f"| {base / e.seconds:.2f}x"
+    )
+
+
 def table(rows: Sequence[Estimate], top: int | None = None) -> str:
     """A markdown table of ranked estimates, with the speedup over the
     fastest float32 row and what the accuracy study measured
@@ -1651,9 +1653,7 @@ def table(rows: Sequence[Estimate], top: int | None = None) -> str:
             continue
         sgd, adam = (accuracy_class(v) for v in measured_loss(e))
         lines.append(
-            f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {e.inter_bytes / 1e9:.3f} "
-            f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
-            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x "
+            f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {_time_cells(e, base)} "
             f"| {sgd} | {adam} |"
         )
     return "\n".join(lines)
