@@ -1507,6 +1507,22 @@ def shardings(
     return out
 
 
+def _refused(s: Sharding) -> str | None:
+    """Why the compressed collectives of ``s`` do not take its codecs
+    (``planned_rates`` of ``ReduceScatter`` and ``AllGather``), or None.
+    HSDP's gradient codec goes to ``jc.psum``, which takes every codec."""
+    from jaxcomp.collectives import AllGather, ReduceScatter
+
+    uses = [(AllGather(), s.parameters, "all-gather")]
+    if not s.hsdp:
+        uses.append((ReduceScatter(), s.gradients, "reduce-scatter"))
+    for alg, codec, what in uses:
+        if codec is not None and codec.rate not in alg.planned_rates:
+            rates = ", ".join(sorted(r.value for r in alg.planned_rates))
+            return f"the {what} takes {rates}-rate codecs, and {codec!r} is {codec.rate.value}-rate"
+    return None
+
+
 def plan_sharded(
     n: int,
     cluster: Cluster,
@@ -1536,8 +1552,11 @@ def plan_sharded(
     codecs = default_codecs() if codecs is None else codecs
     rows, left_out = [], []
     for s in shardings(codecs, parameters, cluster):
-        try:
-            e = predict_sharded(
+        if why := _refused(s):
+            left_out.append((s, why))
+            continue
+        rows.append(
+            predict_sharded(
                 s,
                 n,
                 cluster,
@@ -1546,10 +1565,7 @@ def plan_sharded(
                 error_feedback=error_feedback,
                 bucket=bucket,
             )
-        except ValueError as why:
-            left_out.append((s, str(why)))
-            continue
-        rows.append(e)
+        )
     key = lambda e: (e.seconds, e.label, e.sharding.name, e.sharding.parameters_name)  # noqa: E731
     return sorted(rows, key=key), left_out
 
