@@ -386,3 +386,42 @@ def test_hsdp_compresses_the_slow_axis_to_a_sixth():
     assert sent["f32"][0] == 2 * 256 * 512 * 4 / 4
     assert 0 < sent["qsgd4"][0] <= sent["f32"][0] / 6
     assert sent["qsgd4"][1] == sent["f32"][1]  # the fast axis stays exact
+
+
+def test_an_unused_parameter_keeps_its_residual():
+    """A parameter the loss does not use has no backward pass of its gather:
+    its residual stays what it was (overwritten with a zero "gradient" it
+    would lose what the device owes)."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(axis="fsdp", gradients=jc.codecs.QSGD(bits=2))
+    step = jc.data_parallel(
+        lambda p, x: jnp.sum(p["a"] * x.mean(0)),
+        optax.sgd(LR),
+        mesh,
+        shard_params=cfg,
+        donate=False,
+    )
+    params, state = step.init({"a": jnp.ones((64, 8)), "unused": jnp.ones((64, 8))})
+    state = state._replace(residuals=tuple(r + 0.5 for r in state.residuals))
+    _, new, _ = step(params, state, jax.random.normal(jax.random.key(0), (8, 64, 8)))
+    np.testing.assert_array_equal(np.asarray(new.residuals[1]), np.asarray(state.residuals[1]))
+    assert not np.array_equal(np.asarray(new.residuals[0]), np.asarray(state.residuals[0]))
+
+
+def test_aux_is_averaged_and_the_key_differs_per_device():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+
+    def loss(p, batch, key):
+        noise = jax.random.uniform(key, ())  # a draw of this device's key
+        return _mlp(p, batch), {"noise": noise, "n": jnp.ones(())}
+
+    step = jc.data_parallel(
+        loss, optax.sgd(LR), mesh, shard_params="fsdp", has_aux=True, donate=False
+    )
+    params, state = step.init(_params())
+    key = jax.random.key(7)
+    _, _, (value, aux) = step(params, state, _batch(), key)
+    assert float(aux["n"]) == 1.0
+    draws = [jax.random.uniform(jax.random.fold_in(key, d), ()) for d in range(8)]
+    np.testing.assert_allclose(float(aux["noise"]), float(np.mean(draws)), rtol=1e-6)
+    assert float(value) == pytest.approx(float(_mlp(_params(), _batch())), rel=1e-6)

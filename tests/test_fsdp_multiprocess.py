@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 from _fsdp_worker import train
-from helpers import free_port, run_processes, worker_xla_flags
+from helpers import free_port, run_processes, worker_env
 
 pytestmark = pytest.mark.multiprocess
 
@@ -23,12 +23,7 @@ WORKER = ROOT / "tests" / "_fsdp_worker.py"
 def test_two_processes_equal_one():
     num, local = 2, 4
     port = free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": worker_xla_flags(local),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = worker_env(ROOT, local)
     tmp = pathlib.Path(os.environ.get("TMPDIR", "/tmp"))
     outs = [tmp / f"fsdp-{port}-{i}.npz" for i in range(num)]
     run_processes(

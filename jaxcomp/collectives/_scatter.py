@@ -355,6 +355,9 @@ class _Accounting(Algorithm):
     Identity's: over ``(slow, fast)`` axes it is lax's collective over both
     axes at once, declared on axis 0, the slow links it crosses."""
 
+    #: The codecs both take, as the planner reads it.
+    planned_rates: ClassVar[frozenset[Rate]] = frozenset(RATES)
+
     def operand_nbytes(self, codec, n, dtype, axes):
         out: dict[str, int] = {}
         for c in self.collectives(codec, n, dtype, axes):
