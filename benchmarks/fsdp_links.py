@@ -211,21 +211,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _timed(call, warmup: int, steps: int) -> list[float]:
-    """Seconds of ``steps`` calls after ``warmup`` (the first compiles),
-    each started together on every process; ``call`` returns what to wait
-    for."""
+    """Seconds of ``steps`` calls after ``warmup`` (at least one: the first
+    compiles), each started together on every process (the test bed's
+    ``time_calls``); ``call`` returns what to wait for."""
     import jax
-    from jax.experimental import multihost_utils
 
-    for _ in range(warmup):
+    for _ in range(warmup - 1):
         jax.block_until_ready(call())
-    times = []
-    for _ in range(steps):
-        multihost_utils.sync_global_devices("step")
-        t0 = time.perf_counter()
-        jax.block_until_ready(call())
-        times.append(time.perf_counter() - t0)
-    return times
+    return testbed.time_calls(call, steps)
 
 
 def compute_row(args: argparse.Namespace) -> dict:
@@ -560,7 +553,7 @@ def main() -> int:
     )
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=["compute", *ROWS])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per row")
-    ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (>= 1)")
     ap.add_argument("--batch", type=int, default=16, help="samples per process per step")
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
@@ -577,6 +570,8 @@ def main() -> int:
     ap.add_argument("--coordinator", help=argparse.SUPPRESS)
     testbed.add_worker_args(ap)
     args = ap.parse_args()
+    if args.warmup < 1:
+        ap.error("--warmup must be at least 1 (the first step compiles)")
     if args.worker:
         worker(args)
         return 0
