@@ -2,7 +2,7 @@
 
 from jaxcomp import codecs, collectives, launch, ops, optax, train, wire
 from jaxcomp._ffi import cpu_available, cuda_available
-from jaxcomp.collectives import Reduced, pmean, psum
+from jaxcomp.collectives import Reduced, all_gather, pmean, psum, psum_scatter
 from jaxcomp.errors import WireFormatError
 from jaxcomp.payload import Payload
 from jaxcomp.train import DataParallel, data_parallel
@@ -14,6 +14,7 @@ __all__ = [
     "Payload",
     "Reduced",
     "WireFormatError",
+    "all_gather",
     "codecs",
     "collectives",
     "cpu_available",
@@ -24,6 +25,7 @@ __all__ = [
     "optax",
     "pmean",
     "psum",
+    "psum_scatter",
     "train",
     "wire",
 ]

@@ -24,7 +24,8 @@ def test_collectives_doc_example_runs():
     for block in blocks:  # one session: later blocks use earlier names
         exec(compile(block, str(doc), "exec"), scope)
     assert scope["mean"].shape == (4096,) and scope["sent"].shape == (8, 4096)
-    assert len(blocks) == 2 and len(scope["log"]) > 0
+    assert len(blocks) == 3 and len(scope["log"]) > 0
+    assert scope["shard"].shape == (8, 512) and scope["gathered"].shape == (8, 4096)
 
 
 def test_training_doc_example_runs():

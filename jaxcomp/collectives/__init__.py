@@ -41,12 +41,16 @@ from jaxcomp.collectives._algorithm import (
 from jaxcomp.collectives._allgather import COARSE_ALLGATHER_MAX_DEVICES
 from jaxcomp.collectives._api import (
     Reduced,
+    all_gather,
     choose_algorithm,
+    gather_nbytes,
     init_state,
     operand_nbytes,
     pmean,
     psum,
+    psum_scatter,
     recompression_warning,
+    scatter_nbytes,
     send_nbytes,
     state_positions,
     state_size,
@@ -54,6 +58,12 @@ from jaxcomp.collectives._api import (
 from jaxcomp.collectives._chunks import chunk_len
 from jaxcomp.collectives._exchange import wire_log
 from jaxcomp.collectives._order import after
+from jaxcomp.collectives._scatter import (
+    AllGather,
+    ReduceScatter,
+    feedback_size,
+    psum_scatter_feedback,
+)
 from jaxcomp.collectives._sparse import static_fits as sparse_is_static
 from jaxcomp.collectives._tiers import tier_capacities, tier_nbytes
 
@@ -64,19 +74,27 @@ __all__ = [
     "ALGORITHMS",
     "COARSE_ALLGATHER_MAX_DEVICES",
     "Algorithm",
+    "AllGather",
     "Collective",
     "Context",
     "KernelCall",
+    "ReduceScatter",
     "Reduced",
     "after",
+    "all_gather",
     "choose_algorithm",
     "chunk_len",
+    "feedback_size",
+    "gather_nbytes",
     "init_state",
     "operand_nbytes",
     "pmean",
     "psum",
+    "psum_scatter",
+    "psum_scatter_feedback",
     "recompression_warning",
     "registered",
+    "scatter_nbytes",
     "send_nbytes",
     "sparse_is_static",
     "state_positions",

@@ -15,7 +15,7 @@ import numpy as np
 
 from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec, as_codec
-from jaxcomp.collectives import _algorithm
+from jaxcomp.collectives import _algorithm, _scatter
 from jaxcomp.collectives._algorithm import Context
 from jaxcomp.collectives._exchange import check_all_to_all
 from jaxcomp.collectives._keys import device_key
@@ -356,3 +356,126 @@ def send_nbytes(codec: Codec, n: int, dtype, axis_sizes, algorithm: str = "auto"
       Bytes (a float: the all-to-all share is fractional).
     """
     return _algorithm.send_nbytes(codec, n, dtype, Axes.of_sizes(axis_sizes), algorithm)
+
+
+# ---------------------------------------------------------------------------
+# The collectives of sharded training
+# ---------------------------------------------------------------------------
+def psum_scatter(
+    x: jax.Array,
+    axis_name,
+    codec: Codec,
+    *,
+    key: jax.Array | None = None,
+    tiled: bool = False,
+    state: None = None,
+    all_to_all: str = "auto",
+) -> Reduced:
+    """Compressed reduce-scatter of ``x`` over dimension 0, like
+    ``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=tiled)``.
+
+    Call inside ``jax.shard_map`` (or ``jax.pmap``). Every element is
+    quantized once on the wire: this device encodes its tensor once (row
+    ``j``, for device ``j``, padded to the codec's split granularity; codecs
+    without one encode each row), an all-to-all hands every device the
+    payloads of its row, and it decodes and sums them in float32, in device
+    order. With ``(slow, fast)`` axes, the devices of both axes as one
+    (device ``s * fast + f``): an exact float32 ``lax.psum_scatter`` over
+    ``fast``, then the compressed reduce-scatter over ``slow`` of the
+    partial sums, so only the slow axis carries compressed bytes.
+    Identity is ``lax.psum_scatter`` itself.
+
+    Args:
+      x: this device's tensor (float32, bfloat16 or float16). ``tiled=False``:
+        ``x.shape[0]`` equals the number of devices ``P``; ``tiled=True``: a
+        multiple of it.
+      axis_name: the mesh axis, or ``(slow, fast)`` axes.
+      codec: a fixed-size codec (QSGD, Int8, OneBit, SignSGD, TernGrad,
+        Natural, FP8, MX, Cast) or Identity, or its spec string.
+        Variable-rate (ThreeLC) and sparse (TopK) codecs are refused.
+      key: a PRNG key, required by stochastic codecs (the same on every
+        device; it is folded with the device index).
+      tiled: as in ``lax.psum_scatter``.
+      state: must be None: one compression per element, by its sender,
+        leaves no server residual. Error feedback keeps the sender's
+        residual instead (:func:`psum_scatter_feedback`).
+      all_to_all: as in :func:`psum`.
+    Returns:
+      :class:`Reduced`: ``value`` this device's row of the sum (``x.shape[1:]``,
+      tiled: ``[x.shape[0] // P, *x.shape[1:]]``; ``x``'s dtype), identical
+      on every run of the same inputs; ``sent`` float32 of ``x``'s shape,
+      what ``x`` became after its compression (over ``(slow, fast)`` axes:
+      ``x`` plus the slow hop's error, on the rows of this device's fast
+      chunk), so that summed over the devices the rows ``sent`` holds for
+      device ``j`` equal ``j``'s ``value`` (to float rounding); ``state``
+      None.
+    """
+    if state is not None:
+        raise ValueError(
+            "jc.psum_scatter: state must be None: every element is compressed once, by its "
+            "sender, so there is no server residual (error feedback keeps the sender's own "
+            "residual: jc.collectives.psum_scatter_feedback)"
+        )
+    value, sent = _scatter.scatter(x, axis_name, codec, key=key, tiled=tiled, all_to_all=all_to_all)
+    return Reduced(value, sent, None)
+
+
+def all_gather(
+    x: jax.Array, axis_name, codec: Codec, *, key: jax.Array | None = None, tiled: bool = False
+) -> jax.Array:
+    """Compressed all-gather of ``x``, like ``lax.all_gather(x, axis_name,
+    tiled=tiled)``.
+
+    Call inside ``jax.shard_map`` (or ``jax.pmap``). This device encodes
+    ``x`` once; the payload is all-gathered (one collective for all its
+    arrays; over ``(slow, fast)`` axes over ``slow``, then the gathered
+    payloads over ``fast``) and every row is decoded from the payloads,
+    this device's own included, so every device holds the same bits.
+    Identity is ``lax.all_gather`` itself.
+
+    Args:
+      x: this device's tensor (float32, bfloat16 or float16).
+      axis_name: the mesh axis, or ``(slow, fast)`` axes (device
+        ``s * fast + f``, as ``lax.all_gather`` over both orders them).
+      codec: as in :func:`psum_scatter`.
+      key: a PRNG key, required by stochastic codecs (the same on every
+        device).
+      tiled: as in ``lax.all_gather``: concatenate along dimension 0
+        instead of stacking.
+    Returns:
+      ``[P, *x.shape]`` (tiled: ``[P * x.shape[0], *x.shape[1:]]``) in
+      ``x``'s dtype: every device's decoded payload.
+    """
+    return _scatter.all_gather(x, axis_name, codec, key=key, tiled=tiled)
+
+
+def scatter_nbytes(codec: Codec, shape, dtype, axis_sizes) -> dict[str, int]:
+    """Bytes this device hands to each kind of collective in
+    :func:`psum_scatter`, as the compiled HLO shows them.
+
+    Args:
+      codec: the codec.
+      shape: the shape of ``x`` (before the scatter).
+      dtype: its dtype.
+      axis_sizes: the axis size, or ``(slow, fast)`` sizes.
+    Returns:
+      ``{kind: bytes}``: "all-to-all" (the payloads, ``P`` rows of
+      ``x.size / P`` values padded to the codec's split granularity), over
+      ``(slow, fast)`` axes also "reduce-scatter" (the float32 fast hop);
+      Identity: "reduce-scatter" of ``x``.
+    """
+    return _scatter.scatter_nbytes(codec, shape, dtype, axis_sizes)
+
+
+def gather_nbytes(codec: Codec, shape, dtype, axis_sizes) -> dict[str, int]:
+    """Bytes this device hands to the all-gathers of :func:`all_gather`,
+    as the compiled HLO shows them (the operand, not the gathered result).
+
+    Args:
+      codec, dtype, axis_sizes: as in :func:`scatter_nbytes`.
+      shape: the shape of ``x``.
+    Returns:
+      ``{"all-gather": bytes}``: one payload of ``x``; over ``(slow,
+      fast)`` axes that plus the ``slow`` payloads forwarded over ``fast``.
+    """
+    return _scatter.gather_nbytes(codec, shape, dtype, axis_sizes)
