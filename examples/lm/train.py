@@ -337,9 +337,9 @@ class ShardedTrainer:
         sums = np.zeros(2)
         for i in range(num_steps):
             batch = self._draw(self.train_bytes, data_key, start + i)
+            params, state, (loss, acc) = self.step(params, state, batch)
             if self._telemetry is None:
                 self._telemetry = self.telemetry(params, state, batch)
-            params, state, (loss, acc) = self.step(params, state, batch)
             # One step in flight: XLA:CPU's rendezvous can abort with many queued.
             sums += (float(loss), float(acc))
         bits, wire = self._telemetry
@@ -352,7 +352,8 @@ class ShardedTrainer:
         are normalized as the replicated path's: a float32 ring all-reduce
         (a reduce-scatter and an all-gather, ``2 (P-1)/P`` of 4 bytes per
         element) is 32 bits, and so is float32 sharded training."""
-        text = self.step._build().lower(params, state, batch).compile().as_text()
+        # The step's own jitted function: lowering it again hits JAX's caches.
+        text = self.step._step.lower(params, state, batch).compile().as_text()
         wire = sum(c["sent"] for c in common.collective_traffic(text, self.mesh))
         p = self.mesh.size
         return 8.0 * wire / (2.0 * (p - 1) / p * self.num_params), wire
