@@ -6,7 +6,7 @@
     python -m examples.lm.main --sync-every 50 --codec int8 --no-error-feedback   # DiLoCo
     python -m examples.lm.main --shard-params --codec qsgd:bits=4 --param-codec int8   # FSDP
     python -m examples.lm.main --shard-params --replicas 2 --codec qsgd:bits=4   # HSDP
-    python -m jaxcomp launch -n 2 -- python -m examples.lm.main --shard-params --num-devices 2
+    python -m jaxcomp launch -n 2 --devices-per-process 4 -- python -m examples.lm.main --shard-params
 
 Run from the repository root. ``--config`` names a Python file whose
 ``get_config()`` returns a ``train.Config`` (default: configs/default.py);
@@ -22,6 +22,7 @@ common.simulate_devices(8)  # before jax is imported (by train below)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 
+import jaxcomp as jc  # noqa: E402
 from examples.lm import train  # noqa: E402
 
 
@@ -89,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.param_codec is not None:
         common.parse_codec(args.param_codec)  # fail early on a malformed spec
     config = dataclasses.replace(config, **{k: v for k, v in extra.items() if v is not None})
+    jc.launch.initialize()  # under `python -m jaxcomp launch`: join the other processes
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(
         f"final: held-out loss {result['test_loss']:.4f} nats/byte  "
