@@ -50,6 +50,7 @@ class Design:
     param_codec: str = "float32"  # the parameter all-gather's
     error_feedback: bool = True
     replicas: int = 1  # HSDP: replicas x (8 / replicas)
+    width: int = 64  # the model's (the default config's 64, or wider)
 
 
 QSGD4 = "qsgd:bits=4"
@@ -75,6 +76,14 @@ DESIGNS = {
             codec="qsgd:bits=4,bucket_size=64",
             param_codec="int8:bucket_size=64",
         ),
+        Design("sharded-f32-w512", "sharded, float32, width 512", width=512),
+        Design(
+            "sharded-int8-qsgd4-ef-w512",
+            "sharded, int8 AG + QSGD-4 RS + EF, width 512",
+            codec=QSGD4,
+            param_codec="int8",
+            width=512,
+        ),
         Design(
             "sharded-int8-qsgd4",
             "sharded, int8 AG + QSGD-4 RS, no EF",
@@ -84,6 +93,12 @@ DESIGNS = {
         ),
         Design("hsdp-f32", "HSDP 2x4, float32", replicas=2),
         Design("hsdp-qsgd4-ef", "HSDP 2x4, QSGD-4 on the slow axis + EF", codec=QSGD4, replicas=2),
+        Design(
+            "hsdp-qsgd4-ef-b64",
+            "HSDP 2x4, QSGD-4 on the slow axis + EF, 64-value buckets",
+            codec="qsgd:bits=4,bucket_size=64",
+            replicas=2,
+        ),
     ]
 }
 BYTES_ROWS = [
@@ -92,8 +107,11 @@ BYTES_ROWS = [
     "sharded-bf16",
     "sharded-int8-qsgd4-ef",
     "sharded-int8-qsgd4-ef-b64",
+    "sharded-f32-w512",
+    "sharded-int8-qsgd4-ef-w512",
     "hsdp-f32",
     "hsdp-qsgd4-ef",
+    "hsdp-qsgd4-ef-b64",
 ]
 MEMORY_ROWS = [
     "replicated-f32",
@@ -116,6 +134,7 @@ def lm_config(d: Design, **kw):
         param_codec=d.param_codec,
         error_feedback=d.error_feedback,
         replicas=d.replicas,
+        width=d.width,
         **kw,
     )
 
@@ -255,7 +274,7 @@ def _kib(b: float) -> str:
 
 
 def bytes_table(rows: list[dict]) -> str:
-    base = {r["label"]: r for r in rows}.get("sharded-f32")
+    by = {r["label"]: r for r in rows}
     lines = [
         "| design | all-gather | reduce-scatter / all-to-all | all-reduce | total | "
         "reduction vs sharded float32 | of which over the slow axis |",
@@ -266,6 +285,8 @@ def bytes_table(rows: list[dict]) -> str:
         for k, v in r["by_collective"].items():
             kind = k.split(" over ")[0]
             kinds["rs" if kind in ("reduce-scatter", "all-to-all") else kind] += v
+        w = DESIGNS[r["label"]].width
+        base = by.get("sharded-f32" if w == 64 else f"sharded-f32-w{w}")
         ratio = f"{base['total'] / r['total']:.2f}x" if base and r["total"] else ""
         slow = _kib(r["slow_axis"]) if DESIGNS[r["label"]].replicas > 1 else ""
         lines.append(
@@ -273,9 +294,11 @@ def bytes_table(rows: list[dict]) -> str:
             f"{_kib(kinds['rs'])} | {_kib(kinds['all-reduce'])} | {_kib(r['total'])} | "
             f"{ratio} | {slow} |"
         )
-    n = rows[0]["num_params"]
+    sizes = sorted({(DESIGNS[r["label"]].width, r["num_params"]) for r in rows})
+    sizes = "; ".join(f"width {w}: {n:,} parameters" for w, n in sizes)
     return "\n".join(lines) + (
-        f"\n\nKiB sent per device per step, {n:,} parameters, 8 simulated CPU devices. "
+        f"\n\nKiB sent per device per step ({sizes}), 8 simulated CPU devices; the "
+        "reduction is against sharded float32 of the same width. "
         "HSDP's compressed all-reduce over the slow axis runs as an all-gather of the "
         "payloads (`jc.psum`'s allgather algorithm for two devices): it is in the all-gather "
         "column, and all of the slow axis's bytes are in the last one."
