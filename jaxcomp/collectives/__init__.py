@@ -18,6 +18,11 @@ Each algorithm lives in a file of its own (``_allgather.py``,
 ``_two_phase.py``, ``_ring.py``, ``_sparse.py``, ``_allreduce.py``,
 ``_hierarchical.py``) and registers itself by name (:class:`Algorithm`)
 when it is imported, as the package does below.
+
+The collectives of sharded training, ``psum_scatter`` and ``all_gather``
+(``_scatter.py``), declare their bytes through the same protocol
+(:class:`ReduceScatter`, :class:`AllGather`) but are not all-reduce
+algorithms and are not registered.
 """
 
 from __future__ import annotations

@@ -464,7 +464,7 @@ def scatter_nbytes(codec: Codec, shape, dtype, axis_sizes) -> dict[str, int]:
       ``(slow, fast)`` axes also "reduce-scatter" (the float32 fast hop);
       Identity: "reduce-scatter" of ``x``.
     """
-    return _scatter.scatter_nbytes(codec, shape, dtype, axis_sizes)
+    return _scatter.shape_nbytes(_scatter.REDUCE_SCATTER, codec, shape, dtype, axis_sizes)
 
 
 def gather_nbytes(codec: Codec, shape, dtype, axis_sizes) -> dict[str, int]:
@@ -478,4 +478,4 @@ def gather_nbytes(codec: Codec, shape, dtype, axis_sizes) -> dict[str, int]:
       ``{"all-gather": bytes}``: one payload of ``x``; over ``(slow,
       fast)`` axes that plus the ``slow`` payloads forwarded over ``fast``.
     """
-    return _scatter.gather_nbytes(codec, shape, dtype, axis_sizes)
+    return _scatter.shape_nbytes(_scatter.ALL_GATHER, codec, shape, dtype, axis_sizes)

@@ -162,7 +162,9 @@ def reduce_scatter_rows(
     codec: Codec, rows: jax.Array, residual, axes: Axes, key, dtype, a2a: str
 ) -> tuple[jax.Array, jax.Array]:
     """The reduce-scatter of this device's ``rows`` (``[P, k]``, row ``j``
-    for device ``j``) over ``axes``.
+    for device ``j``) over ``axes``, compressed as ``dtype`` (``x``'s) over
+    one axis; over ``(slow, fast)`` the slow hop compresses the float32
+    partial sums as float32.
 
     Returns:
       ``(value, own)``: ``value`` float32 ``[k]``, the sum over the devices
@@ -181,7 +183,8 @@ def reduce_scatter_rows(
     partial = lax.psum_scatter(
         _to_fast_major(x32, s, f), axes.fast.name, scatter_dimension=0, tiled=False
     ).reshape(s, k)
-    mine, own = _scatter_rows(codec, partial, residual, axes.slow.name, key, dtype, a2a)
+    # The partial sums are compressed as they are, in float32.
+    mine, own = _scatter_rows(codec, partial, residual, axes.slow.name, key, jnp.float32, a2a)
     if residual is not None:
         return mine, own
     # The slow hop's error is mine, on the rows of my fast chunk.
@@ -376,6 +379,10 @@ class ReduceScatter(_Accounting):
     def collectives(self, codec, n, dtype, axes, bits=None):
         codec = _codec(codec, "jc.collectives.scatter_nbytes")
         p = axes.size
+        if n % p:
+            raise ValueError(
+                f"jc.collectives.scatter_nbytes: {n} values do not split over {p} devices"
+            )
         if p == 1 and not axes.hierarchical:
             return []
         if codec.rate is Rate.LINEAR:
@@ -386,7 +393,7 @@ class ReduceScatter(_Accounting):
         s = axes.sizes[0]
         return [
             Collective("reduce-scatter", 4 * n, axis=1),
-            Collective("all-to-all", s * _row_nbytes(codec, k, dtype), axis=0),
+            Collective("all-to-all", s * _row_nbytes(codec, k, jnp.float32), axis=0),
         ]
 
     def kernel_calls(self, codec, n, dtype, axes):
@@ -449,25 +456,8 @@ REDUCE_SCATTER = ReduceScatter()
 ALL_GATHER = AllGather()
 
 
-def _n(shape) -> int:
-    return math.prod(int(d) for d in shape)
-
-
-def scatter_nbytes(codec, shape, dtype, axis_sizes) -> dict[str, int]:
-    """:func:`jaxcomp.collectives.scatter_nbytes`."""
-    return REDUCE_SCATTER.operand_nbytes(
-        as_codec(codec, "jc.collectives.scatter_nbytes"),
-        _n(shape),
-        dtype,
-        Axes.of_sizes(axis_sizes),
-    )
-
-
-def gather_nbytes(codec, shape, dtype, axis_sizes) -> dict[str, int]:
-    """:func:`jaxcomp.collectives.gather_nbytes`."""
-    return ALL_GATHER.operand_nbytes(
-        as_codec(codec, "jc.collectives.gather_nbytes"),
-        _n(shape),
-        dtype,
-        Axes.of_sizes(axis_sizes),
-    )
+def shape_nbytes(alg: Algorithm, codec, shape, dtype, axis_sizes) -> dict[str, int]:
+    """``alg``'s operand bytes for ``x`` of ``shape``, by kind
+    (:func:`jaxcomp.collectives.scatter_nbytes`, ``gather_nbytes``)."""
+    n = math.prod(int(d) for d in shape)
+    return alg.operand_nbytes(codec, n, dtype, Axes.of_sizes(axis_sizes))
