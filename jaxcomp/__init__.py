@@ -1,6 +1,6 @@
 """jaxcomp: compressed gradient communication for data-parallel JAX training."""
 
-from jaxcomp import codecs, collectives, launch, ops, optax, train, wire
+from jaxcomp import codecs, collectives, fsdp, launch, ops, optax, train, wire
 from jaxcomp._ffi import cpu_available, cuda_available
 from jaxcomp.collectives import Reduced, all_gather, pmean, psum, psum_scatter
 from jaxcomp.errors import WireFormatError
@@ -20,6 +20,7 @@ __all__ = [
     "cpu_available",
     "cuda_available",
     "data_parallel",
+    "fsdp",
     "launch",
     "ops",
     "optax",

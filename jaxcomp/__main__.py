@@ -110,7 +110,9 @@ def _cluster(args: argparse.Namespace):
     return planning.Cluster(args.processes, args.devices_per_process, inter, intra)
 
 
-def _compute(args: argparse.Namespace, codecs, methods):
+def _compute(args: argparse.Namespace, codecs, extra=()):
+    """The codecs' speed: read from --compute, or measured now for
+    ``codecs`` and the ``extra`` codecs other rows run."""
     from jaxcomp import planning
     from jaxcomp.codecs.base import Rate
 
@@ -120,17 +122,13 @@ def _compute(args: argparse.Namespace, codecs, methods):
         return planning.load_compute(args.compute, share=args.cpu_share)
     # The sparse codecs' dense stage runs its value codec's kernels too.
     nested = [c.value_codec for c in codecs if c.rate is Rate.SPARSE and c.value_codec is not None]
-    # The other methods' codecs (1-bit Adam's, DiLoCo's) are measured too.
-    extra = [c for c in methods.codecs if c not in codecs] if not args.algorithms else []
-    return planning.measure_compute(
-        [*codecs, *nested, *extra], 1 << args.compute_size, share=args.cpu_share
-    )
+    measured = list(dict.fromkeys([*codecs, *nested, *(c for c in extra if c is not None)]))
+    return planning.measure_compute(measured, 1 << args.compute_size, share=args.cpu_share)
 
 
-def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool, methods) -> str:
+def _cluster_line(cluster) -> str:
     intra = cluster.intra
     return (
-        f"{n:,} float32 gradient values per device in {k} all-reduce(s); "
         f"{cluster.processes} process(es) x {cluster.devices_per_process} device(s); "
         f"link {cluster.inter.bandwidth / 1e9:g} Gbit/s, {cluster.inter.latency * 1e6:g} us"
         + (
@@ -138,7 +136,18 @@ def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool, methods
             if intra
             else ""
         )
-        + f"\ncompute: {compute.source + f', share {compute.share:g}' if compute else 'left out'}"
+    )
+
+
+def _compute_line(compute) -> str:
+    return f"compute: {compute.source + f', share {compute.share:g}' if compute else 'left out'}"
+
+
+def _plan_header(n: int, k: int, cluster, compute, error_feedback: bool, methods) -> str:
+    return (
+        f"{n:,} float32 gradient values per device in {k} all-reduce(s); "
+        + _cluster_line(cluster)
+        + f"\n{_compute_line(compute)}"
         + f"\nerror feedback: {'counted' if error_feedback else 'left out'}"
         + (
             f"\nother methods: PowerSGD's factors for a transformer of width {methods.width} "
@@ -178,8 +187,11 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"python -m jaxcomp plan: error: {e}", file=sys.stderr)
         return 2
     codecs = [c for c in codecs if c.bits_per_element() >= args.min_bits]
-    compute = _compute(args, codecs, methods)
     bucket = max(1, int(args.bucket_mb * (1 << 20)) // 4) if args.bucket_mb else None
+    if args.shard_params:
+        return _plan_sharded(args, codecs, cluster, n, bucket)
+    # The other methods' codecs (1-bit Adam's, DiLoCo's) are measured too.
+    compute = _compute(args, codecs, () if args.algorithms else methods.codecs)
     ef = not args.no_error_feedback
     rows = planning.plan(
         n,
@@ -204,6 +216,92 @@ def _plan(args: argparse.Namespace) -> int:
             json.dump(out, f, indent=1)
         print(f"\nwrote {args.json}")
     return 0
+
+
+def _param_codecs(specs):
+    """The parameter all-gather's codecs: None for "float32" (exact)."""
+    from jaxcomp import codecs as jcc
+
+    return [None if s.lower() in ("float32", "f32", "none") else jcc.get(s) for s in specs]
+
+
+def _sharded_header(n: int, k: int, cluster, compute, args) -> str:
+    gathers = (
+        "2 (the forward pass, and the backward pass's re-gather of a layer that "
+        "jax.checkpoint rematerializes, as ZeRO-3 does; --no-regather: 1)"
+        if args.regather
+        else "1 (the forward pass; the backward pass keeps the gathered layer: --regather "
+        "counts its re-gather)"
+    )
+    return (
+        f"{n:,} parameters sharded in {k} layer(s); "
+        + _cluster_line(cluster)
+        + f"\n{_compute_line(compute)}"
+        + f"\nerror feedback: {'counted' if not args.no_error_feedback else 'left out'}"
+        + f"\nparameter all-gathers per layer and step: {gathers}"
+        + "\nlayouts: fsdp: sharded over every device; fsdp(slow, fast): the same where "
+        "processes have several devices, the gradient reduce-scatter exact within a process "
+        "and compressed across, the parameter all-gather compressed across; hsdp: sharded "
+        "within a process and replicated across, exact within, the gradient shard all-reduced "
+        "across the processes with its codec (jc.psum, algorithm auto)\n"
+    )
+
+
+def _plan_sharded(args: argparse.Namespace, codecs, cluster, n: int, bucket) -> int:
+    """``plan --shard-params``: sharded training's collectives ranked
+    against float32 sharded training."""
+    from jaxcomp import planning
+
+    if args.algorithms:
+        print(
+            "python -m jaxcomp plan: error: --algorithms picks all-reduce algorithms; "
+            "--shard-params ranks sharded training, whose collectives are the reduce-scatter "
+            "and all-gather (HSDP's all-reduce across processes runs jc.psum's auto)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        params = _param_codecs(args.param_codecs)
+    except (ValueError, TypeError) as e:
+        print(f"python -m jaxcomp plan: error: {e}", file=sys.stderr)
+        return 2
+    compute = _compute(args, codecs, params)
+    rows, left_out = planning.plan_sharded(
+        n,
+        cluster,
+        compute,
+        codecs=codecs,
+        parameters=params,
+        regather=args.regather,
+        error_feedback=not args.no_error_feedback,
+        bucket=bucket,
+    )
+    k = 1 if not bucket or n <= bucket else -(-n // bucket)
+    print(_sharded_header(n, k, cluster, compute, args))
+    print(planning.sharded_table(rows, args.top))
+    gone: dict[tuple[str, str], str] = {}
+    for s, why in left_out:
+        name = s.name if s.gradients else s.parameters_name
+        gone.setdefault((s.layout, name), why.split(". ")[0])
+    for (layout, name), why in gone.items():
+        print(f"\nleft out of {layout}: {name}: {why}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([_json_sharded_row(e) for e in rows], f, indent=1)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _json_sharded_row(e) -> dict:
+    s = e.sharding
+    row = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "sharding"}
+    return {
+        "gradients": s.name,
+        "parameters": s.parameters_name,
+        "layout": s.layout,
+        **row,
+        "seconds": e.seconds,
+    }
 
 
 def _json_row(e) -> dict:
@@ -239,7 +337,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--intra-latency", default="5us", help="within a process, per message (5us)")
     p.add_argument("--testbed", help=argparse.SUPPRESS)  # gone: benchmarks/plan_check.py
     p.add_argument(
-        "--bucket-mb", type=float, default=64.0, help="MiB of gradient per all-reduce (64)"
+        "--bucket-mb",
+        type=float,
+        default=64.0,
+        help="MiB of gradient per all-reduce (with --shard-params: per layer) (64)",
     )
     p.add_argument(
         "--codecs", nargs="*", help="codec specs (qsgd:bits=4 bf16 ...); default: one of each"
@@ -272,6 +373,27 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--powersgd-rank", type=int, default=4, help="PowerSGD's rank (4)")
     p.add_argument(
         "--sync-every", type=int, default=500, help="DiLoCo's steps per synchronization (500)"
+    )
+    p.add_argument(
+        "--shard-params",
+        action="store_true",
+        help="rank sharded training (FSDP, and HSDP where processes have several devices): the "
+        "gradient reduce-scatter with each codec and the parameter all-gather with each of "
+        "--param-codecs, against float32 and bf16 sharded training (docs/choosing.md)",
+    )
+    p.add_argument(
+        "--param-codecs",
+        nargs="+",
+        default=["float32", "int8"],
+        help="with --shard-params: the parameter all-gather's codecs, float32 for exact "
+        "(default: float32 int8)",
+    )
+    p.add_argument(
+        "--regather",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --shard-params: count the backward pass's re-gather of each layer's "
+        "parameters (jax.checkpoint, as ZeRO-3 does; default: counted)",
     )
     p.add_argument("--top", type=int, help="print only the best rows")
     p.add_argument("--json", help="also write the rows here")

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import collectives
 from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
+from jaxcomp.optax._step import all_finite
 
 __all__ = [
     "Shard",
@@ -135,11 +136,15 @@ class Shard:
       shard: this device's shard.
       residual: its error-feedback residual (float32), or None.
       key: the PRNG key of its collectives.
+      probe: float32 zeros (one per layer) whose "gradient" is 1 where the
+        backward pass of the gather ran: a residual whose gather did not
+        run (a parameter the loss left unused) is kept as it was.
     """
 
     shard: jax.Array
     residual: jax.Array | None
     key: jax.Array
+    probe: jax.Array | None
     spec: _Spec = dataclasses.field(metadata=dict(static=True))
 
 
@@ -154,22 +159,22 @@ def gather(x):
     parameters (ZeRO-3's backward all-gather)."""
     if not isinstance(x, Shard):
         return x
-    return _gather(x.spec, x.shard, x.residual, x.key)
+    return _gather(x.spec, x.shard, x.residual, x.key, x.probe)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gather(spec: _Spec, shard, residual, key):
+def _gather(spec: _Spec, shard, residual, key, probe):
     return _all_gather(spec, shard, key)
 
 
-def _gather_fwd(spec, shard, residual, key):
-    return _all_gather(spec, shard, key), (residual, key)
+def _gather_fwd(spec, shard, residual, key, probe):
+    return _all_gather(spec, shard, key), (residual, key, probe)
 
 
 def _gather_bwd(spec, saved, ct):
-    residual, key = saved
+    residual, key, probe = saved
     grad, residual = _reduce_scatter(spec, ct, residual, key)
-    return grad, residual, None
+    return grad, residual, None, None if probe is None else jnp.ones_like(probe)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)
@@ -254,7 +259,9 @@ class ShardedDataParallel:
     ``params, state, loss = step(params, state, batch)`` runs one step.
     ``tx`` is a plain optax optimizer (``optax.adamw(...)``): the step's own
     collectives average the gradients, and ``tx`` updates each device's
-    shards.
+    shards. A step whose mean gradient (or a new residual) is not finite
+    on some device changes no parameter and no state on any device (its
+    loss shows it), as ``compress_gradients`` keeps its residuals.
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)``
@@ -434,11 +441,15 @@ class ShardedDataParallel:
         cfg, dims, treedef = self.config, self._dims, self._treedef
         axes = self._all
         per_device = P(axes)
-        # Leaf i's residual is state.residuals[slot[i]] (None: it has none).
-        slot, n = [], 0
-        for s in self._residual_shapes:
+        # Leaf i's residual is state.residuals[slot[i]] (None: it has none);
+        # leaf_ndim[j]: the dimensions of one gather's residual in slot j
+        # (a layers leaf's residual has a leading layer axis besides).
+        slot, n, leaf_ndim = [], 0, []
+        for s, d in zip(self._residual_shapes, dims, strict=True):
             slot.append(None if s is None else n)
-            n += s is not None
+            if s is not None:
+                n += 1
+                leaf_ndim.append(len(s) - (d == 1))
 
         def local(params, state, batch, *key):
             opt = jax.tree.map(lambda a: a[0], state.opt_state)
@@ -448,11 +459,13 @@ class ShardedDataParallel:
             if key:
                 args = (jax.random.fold_in(key[0], lax.axis_index(axes)),)
 
-            def loss_of(shards, residuals):
+            def loss_of(shards, residuals, probes):
                 leaves = treedef.flatten_up_to(shards)
                 built = []
                 for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
-                    r = None if slot[i] is None else residuals[slot[i]]
+                    r, probe = (
+                        (None, None) if slot[i] is None else (residuals[slot[i]], probes[slot[i]])
+                    )
                     if dim is None:
                         built.append(x)
                         continue
@@ -462,19 +475,39 @@ class ShardedDataParallel:
                         ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(
                             jnp.arange(x.shape[0])
                         )
-                        built.append(Shard(x, r, ks, spec))
+                        built.append(Shard(x, r, ks, probe, spec))
                     else:
-                        built.append(_gather(spec, x, r, k))
+                        built.append(_gather(spec, x, r, k, probe))
                 return self.loss_fn(treedef.unflatten(built), batch, *args)
 
-            grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1), has_aux=self.has_aux)
-            out, (grads, new_res) = grad_fn(params, residuals)
+            # A residual comes back as its "gradient" where its gather's
+            # backward pass ran (the probe's gradient is 1 there), else as it
+            # was: a parameter the loss did not use keeps what it owes.
+            probes = tuple(
+                jnp.zeros(r.shape[: r.ndim - leaf_ndim[j]]) for j, r in enumerate(residuals)
+            )
+            grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1, 2), has_aux=self.has_aux)
+            out, (grads, new_res, ran) = grad_fn(params, residuals, probes)
+            new_res = tuple(
+                jnp.where(g.reshape(g.shape + (1,) * (r.ndim - g.ndim)) > 0, n, r)
+                for g, n, r in zip(ran, new_res, residuals, strict=True)
+            )
             # Replicated leaves (scalars): their gradients averaged exactly.
             g = treedef.flatten_up_to(grads)
             g = [lax.pmean(x, axes) if d is None else x for x, d in zip(g, dims, strict=True)]
             grads = treedef.unflatten(g)
-            updates, opt = self.tx.update(grads, opt, params)
-            params = optax.apply_updates(params, updates)
+            # A step whose mean gradient is not finite changes nothing: the
+            # parameters, the optimizer state and the residuals stay as they
+            # were (every device agrees: the flag is reduced over the mesh).
+            ok = lax.pmin(all_finite(jax.tree.leaves((grads, new_res))).astype(jnp.int32), axes)
+            ok = ok.astype(bool)
+            updates, new_opt = self.tx.update(grads, opt, params)
+            new_params = optax.apply_updates(params, updates)
+            params, opt, new_res = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old),
+                (new_params, new_opt, new_res),
+                (params, opt, residuals),
+            )
             loss, aux = out if self.has_aux else (out, None)
             loss = lax.pmean(loss, axes)
             if self.has_aux:

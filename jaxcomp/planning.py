@@ -29,6 +29,12 @@ it predicts the time of every codec x algorithm and ranks them against
   32 MiB, from fresh zeroed pages), from ``memory_analysis()``; plus, with
   error feedback, the residual's passes.
 
+Sharded training (``python -m jaxcomp plan --shard-params``,
+:func:`plan_sharded`) is priced with the same terms: a step's parameter
+all-gathers and gradient reduce-scatter per layer, as
+``jc.collectives.ReduceScatter`` and ``AllGather`` declare their
+collectives and kernel calls, ranked against float32 sharded training.
+
 Everything runs in sequence: XLA:CPU runs a collective's neighbours before
 or after it, not beside it (docs/collectives.md, "Overlap"), so the parts
 add up. On GPUs that is pessimistic where XLA overlaps compute with
@@ -44,7 +50,7 @@ import math
 import os
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -482,15 +488,59 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     for an algorithm of two axes) and reads XLA's cost and memory
     analyses. Needs ``prod(shape)`` CPU devices (``jax_num_cpu_devices``)."""
     import jax
-    from jax.sharding import PartitionSpec as P
 
     from jaxcomp.collectives import psum
+
+    def f(x, axis, k):
+        if codec is None:
+            return jax.lax.psum(x, axis)
+        return psum(x, axis, codec, key=k, algorithm=algorithm).value
+
+    return _compiled_traffic(f, shape, n, "float32")
+
+
+@functools.cache
+def sharded_traffic(
+    collective: str, codec: Codec | None, shape: tuple[int, ...], n: int, dtype: str = "float32"
+) -> Traffic:
+    """:func:`program_traffic` of a collective of sharded training:
+    ``collective`` is ``jc.collectives.ReduceScatter``'s name (``jc.psum_scatter``
+    of ``n`` values, tiled), ``AllGather``'s (``jc.all_gather`` of ``n``),
+    or :data:`BASELINE` (``lax.psum``); ``codec`` None: lax's collective,
+    in ``dtype``."""
+    from jax import lax
+
+    from jaxcomp.collectives import AllGather, ReduceScatter, all_gather, psum_scatter
+
+    def f(x, axis, k):
+        if collective == ReduceScatter.name:
+            if codec is None:
+                return lax.psum_scatter(x, axis, tiled=True)
+            # The value and what was sent (error feedback's residual is made of it).
+            return tuple(psum_scatter(x, axis, codec, key=k, tiled=True))[:2]
+        if collective == AllGather.name:
+            if codec is None:
+                return lax.all_gather(x, axis, tiled=True)
+            return all_gather(x, axis, codec, key=k, tiled=True)
+        if collective == BASELINE and codec is None:
+            return lax.psum(x, axis)
+        raise ValueError(f"jaxcomp.planning: no sharded program {collective!r} of {codec!r}")
+
+    return _compiled_traffic(f, shape, n, dtype)
+
+
+def _compiled_traffic(body, shape: tuple[int, ...], n: int, dtype: str) -> Traffic:
+    """Compiles ``body(x, axis, key)`` (an array, or a tuple of them) of
+    this device's ``n`` values of ``dtype`` on a CPU mesh of ``shape`` and
+    reads XLA's cost and memory analyses, per value."""
+    import jax
+    from jax.sharding import PartitionSpec as P
 
     count = math.prod(shape)
     cpus = jax.devices("cpu")
     if len(cpus) < count:
         raise RuntimeError(
-            f"jaxcomp.planning: {count} CPU devices needed to compile the all-reduce, "
+            f"jaxcomp.planning: {count} CPU devices needed to compile the collective, "
             f"{len(cpus)} present (set jax_num_cpu_devices before JAX starts)"
         )
     names = ("slow", "fast") if len(shape) == 2 else ("data",)
@@ -498,12 +548,10 @@ def program_traffic(codec: Codec | None, algorithm: str, shape: tuple[int, ...],
     mesh = jax.sharding.Mesh(np.array(cpus[:count]).reshape(shape), names)
 
     def f(x, k):
-        if codec is None:
-            return jax.lax.psum(x, axis)
-        return psum(x[0], axis, codec, key=k, algorithm=algorithm).value[None]
+        return jax.tree.map(lambda y: y[None], body(x[0], axis, k))
 
     g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(axis), P()), out_specs=P(axis)))
-    x = jax.ShapeDtypeStruct((count, n), np.float32)
+    x = jax.ShapeDtypeStruct((count, n), np.dtype(dtype))
     compiled = g.lower(x, jax.random.key(0)).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -526,21 +574,31 @@ def traffic(
     extrapolated linearly in the devices from two sizes where it grows
     (the allgather's decoded rows and the ring's copies grow with P), held
     where it does not."""
+    return _extrapolated(lambda s: program_traffic(codec, algorithm, s, n), shape)
+
+
+def _sharded_at(collective, codec, shape, dtype) -> Traffic:
+    """:func:`sharded_traffic` for any number of devices (as :func:`traffic`)."""
+    return _extrapolated(lambda s: sharded_traffic(collective, codec, s, 1 << 16, dtype), shape)
+
+
+def _extrapolated(compiled_at, shape: tuple[int, ...]) -> Traffic:
+    """:func:`traffic`'s rule over ``compiled_at(shape) -> Traffic``."""
     import jax
 
     most = min(len(jax.devices("cpu")), TRAFFIC_MAX_DEVICES)
     if most < 2:
         raise RuntimeError(
-            "jaxcomp.planning: compiling the all-reduce needs 2 or more CPU devices "
+            "jaxcomp.planning: compiling the collectives needs 2 or more CPU devices "
             "(jax.config.update('jax_num_cpu_devices', 8) before JAX starts), or --no-compute"
         )
     if len(shape) == 2:
-        return program_traffic(codec, algorithm, (min(shape[0], most // 2), min(shape[1], 2)), n)
+        return compiled_at((min(shape[0], most // 2), min(shape[1], 2)))
     (p,) = shape
     if p <= most:
-        return program_traffic(codec, algorithm, (p,), n)
-    a = program_traffic(codec, algorithm, (most // 2,), n)
-    b = program_traffic(codec, algorithm, (most,), n)
+        return compiled_at((p,))
+    a = compiled_at((most // 2,))
+    b = compiled_at((most,))
     t = (p - most) / (most - most // 2)
     grow = lambda u, v: v + max(v - u, 0.0) * t  # noqa: E731
     return Traffic(grow(a.accessed, b.accessed), grow(a.temp, b.temp), b.output, b.kernel_calls)
@@ -1018,7 +1076,8 @@ def accuracy_class(loss: float | str | None) -> str:
 
 def times(e: Estimate, k: float) -> Estimate:
     """``k`` all-reduces like ``e``, one after the other (a fraction: one
-    every ``1 / k`` steps, per step)."""
+    every ``1 / k`` steps, per step); also ``k`` layers of a
+    :class:`ShardedEstimate`."""
     if k == 1:
         return e
     return dataclasses.replace(
@@ -1082,6 +1141,441 @@ def predict_step(
 
 
 # ---------------------------------------------------------------------------
+# Sharded training: a step's parameter all-gathers and gradient reduce-scatter
+# ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """One way of training with sharded parameters, as
+    ``jc.fsdp.ShardParams`` configures it.
+
+    Attributes:
+      gradients: the gradient's codec: of its reduce-scatter (FSDP) or of
+        its shard's all-reduce across the processes (HSDP, by ``jc.psum``'s
+        ``auto``); None: exact, lax's collectives in ``dtype``.
+      parameters: the codec of the parameter all-gather; None: exact.
+      hsdp: sharded over the devices of a process and replicated across
+        the processes (``ShardParams(axis=fast, replicate_over=slow)``);
+        False: sharded over every device (FSDP; where processes have
+        several devices, over ``(slow, fast)`` axes: the reduce-scatter
+        exact within a process and compressed across, the all-gather
+        compressed across).
+      dtype: the dtype of the exact collectives: float32, or bfloat16 for
+        a model trained in bf16 (its gradients and parameters exact).
+    """
+
+    gradients: Codec | None = None
+    parameters: Codec | None = None
+    hsdp: bool = False
+    dtype: np.dtype = F32
+
+    @property
+    def layout(self) -> str:
+        return "hsdp" if self.hsdp else "fsdp"
+
+    @property
+    def baseline(self) -> bool:
+        """Whether this is uncompressed sharded training in float32."""
+        return self.gradients is None and self.parameters is None and self.dtype == F32
+
+    @property
+    def name(self) -> str:
+        """The gradients' codec spec, or the exact collectives' dtype."""
+        return self.gradients.spec if self.gradients else np.dtype(self.dtype).name
+
+    @property
+    def parameters_name(self) -> str:
+        return self.parameters.spec if self.parameters else np.dtype(self.dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One collective call of a sharded step for one layer, as the library
+    declares it.
+
+    Attributes:
+      what: what it moves ("parameter all-gather", "gradient
+        reduce-scatter", "gradient all-reduce across processes").
+      collectives: its collectives, each on an axis of ``spans``.
+      spans: per axis ``(nodes, local, groups)``, as :func:`_axes` gives
+        them.
+      calls: its encodes and decodes, with error feedback's decode of its
+        own payload where it runs one.
+      residual: float32 values of the error-feedback residual it keeps (0:
+        none).
+      count: how many times a step runs it.
+      traffic: XLA:CPU's accounting of its compiled program, per value
+        (:func:`sharded_traffic`, :func:`traffic`), computed when called;
+        None: no program (one device).
+      values: this device's values in its program's input.
+    """
+
+    what: str
+    collectives: tuple[Collective, ...]
+    spans: tuple[tuple[int, int, int], ...]
+    calls: tuple[KernelCall, ...] = ()
+    residual: int = 0
+    count: int = 1
+    traffic: Callable[[], Traffic] | None = dataclasses.field(default=None, compare=False)
+    values: int = 0
+
+
+def _flat(devices: int, nodes: int, local: int) -> tuple[Axes, tuple]:
+    """One axis of ``nodes * local`` devices, node-major, and its span."""
+    return Axes((devices,)), ((nodes, local, 1),)
+
+
+def _shard_axes(cluster: Cluster, hsdp: bool) -> tuple[Axes, tuple]:
+    """The axes the parameters are sharded over on ``cluster``, and their
+    spans: a process's devices (HSDP); every device, over ``(slow,
+    fast)`` axes where processes have several devices (FSDP)."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    if hsdp:
+        return _flat(local, 1, local)
+    if _two_levels(cluster):
+        axes, spans = _axes(cluster, 2)
+        return axes, tuple(spans)
+    return _flat(cluster.devices, nodes, local)
+
+
+def _exact_axes(cluster: Cluster, hsdp: bool) -> tuple[Axes, tuple]:
+    """Where an exact (lax) collective of the shard axes runs: one
+    collective over all of them at once."""
+    nodes, local = cluster.processes, cluster.devices_per_process
+    return _flat(local, 1, local) if hsdp else _flat(cluster.devices, nodes, local)
+
+
+def shard_values(n: int, cluster: Cluster, hsdp: bool = False) -> int:
+    """``n`` values padded to a multiple of the devices they are sharded
+    over (a parameter's sharded dimension must divide evenly,
+    ``jc.data_parallel``)."""
+    p = cluster.devices_per_process if hsdp else cluster.devices
+    return -(-n // p) * p
+
+
+def sharded_parts(
+    s: Sharding,
+    n: int,
+    cluster: Cluster,
+    *,
+    regather: bool = True,
+    error_feedback: bool = True,
+    compute: Compute | None = None,
+) -> list[Part]:
+    """The collective calls of one step of sharded training for one layer
+    of ``n`` values (a multiple of the devices it is sharded over,
+    :func:`shard_values`), from the declarations of
+    ``jc.collectives.ReduceScatter`` and ``AllGather`` (and, for HSDP's
+    all-reduce across the processes, the algorithm ``jc.psum`` runs):
+
+    - the parameter all-gather of this device's shard, in the forward
+      pass and, with ``regather``, again in the backward pass (a layer
+      rematerialized with ``jax.checkpoint``, as ZeRO-3 does);
+    - the gradient's reduce-scatter over the shard axes (HSDP: exact);
+    - HSDP: the gradient shard's all-reduce across the processes.
+
+    Raises ValueError where a collective does not take a codec (the
+    reduce-scatter and all-gather take fixed-size codecs).
+    """
+    gather = _gather_part(s, n, cluster)
+    parts = [dataclasses.replace(gather, count=2 if regather else 1)]
+    fb = error_feedback and s.gradients is not None
+    parts.append(_scatter_part(s, n, cluster, fb))
+    if s.hsdp and cluster.processes > 1:
+        parts.append(_across_part(s, n // cluster.devices_per_process, cluster, fb, compute))
+    return parts
+
+
+def _program(collective: str, codec: Codec | None, axes: Axes, dtype) -> Callable | None:
+    """The :class:`Part` traffic of ``collective`` (:func:`sharded_traffic`)
+    over ``axes``; None on one device."""
+    if axes.size == 1 and not axes.hierarchical:
+        return None
+    return functools.partial(_sharded_at, collective, codec, axes.sizes, np.dtype(dtype).name)
+
+
+def _gather_part(s: Sharding, n: int, cluster: Cluster) -> Part:
+    """The all-gather of this device's shard of a layer of ``n`` values."""
+    from jaxcomp.codecs import Identity
+    from jaxcomp.collectives import AllGather
+
+    ag, c = AllGather(), s.parameters
+    axes, spans = _shard_axes(cluster, s.hsdp)
+    shard = n // axes.size
+    if c is None:
+        axes, spans = _exact_axes(cluster, s.hsdp)
+        colls = ag.collectives(Identity(), shard, s.dtype, axes)
+        return Part(
+            "parameter all-gather",
+            tuple(colls),
+            spans,
+            traffic=_program(ag.name, None, axes, s.dtype),
+            values=shard,
+        )
+    return Part(
+        "parameter all-gather",
+        tuple(ag.collectives(c, shard, F32, axes)),
+        spans,
+        tuple(ag.kernel_calls(c, shard, F32, axes)),
+        traffic=_program(ag.name, c, axes, F32),
+        values=shard,
+    )
+
+
+def _scatter_part(s: Sharding, n: int, cluster: Cluster, feedback: bool) -> Part:
+    """The reduce-scatter of this device's gradient of a layer of ``n``
+    values: exact in the training dtype, or HSDP's in float32 (the
+    gradient is cast to float32 first), else compressed, with a residual
+    of what it compresses under error feedback."""
+    from jaxcomp.codecs import Identity
+    from jaxcomp.collectives import ReduceScatter
+
+    rs, c = ReduceScatter(), s.gradients
+    if c is None or s.hsdp:
+        axes, spans = _exact_axes(cluster, s.hsdp)
+        dtype = s.dtype if c is None else F32
+        return Part(
+            "gradient reduce-scatter",
+            tuple(rs.collectives(Identity(), n, dtype, axes)),
+            spans,
+            traffic=_program(rs.name, None, axes, dtype),
+            values=n,
+        )
+    axes, spans = _shard_axes(cluster, s.hsdp)
+    return Part(
+        "gradient reduce-scatter",
+        tuple(rs.collectives(c, n, F32, axes)),
+        spans,
+        tuple(rs.kernel_calls(c, n, F32, axes)),
+        rs.compressed_values(n, axes) if feedback else 0,
+        traffic=_program(rs.name, c, axes, F32),
+        values=n,
+    )
+
+
+def _across_part(
+    s: Sharding, shard: int, cluster: Cluster, feedback: bool, compute: Compute | None
+) -> Part:
+    """HSDP: every device's all-reduce of its gradient shard of ``shard``
+    values across the processes (``lax.psum``, or ``jc.psum`` by
+    ``auto``), the devices of a process at once over its link."""
+    procs, c = cluster.processes, s.gradients
+    across = ((procs, 1, cluster.devices_per_process),)
+    if c is None:
+        return Part(
+            "gradient all-reduce across processes",
+            (Collective("all-reduce", np.dtype(s.dtype).itemsize * shard),),
+            across,
+            traffic=_program(BASELINE, None, Axes((procs,)), s.dtype),
+            values=shard,
+        )
+    alg = choose_algorithm(c, shard, procs)
+    calls = list(kernel_calls(c, alg, shard, procs))
+    if feedback and c.name != "identity":  # as predict's error feedback: its own payload
+        calls.append(KernelCall("decode", _named(alg).compressed_values(shard, Axes((procs,))), c))
+    return Part(
+        f"gradient all-reduce across processes ({alg})",
+        tuple(collectives(c, alg, shard, procs, _bits(c, compute))),
+        across,
+        tuple(calls),
+        shard if feedback else 0,
+        traffic=functools.partial(traffic, c, alg, (procs,)),
+        values=shard,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedEstimate:
+    """The predicted communication of one step of sharded training, in
+    parts (seconds), as :class:`Estimate` has them.
+
+    Attributes:
+      sharding: what is compressed, and the layout.
+      label: how the collectives run ("fsdp", "fsdp(slow, fast)", "hsdp").
+      wire, latency, kernels, memory, inter_bytes, device_bytes: as
+        :class:`Estimate`'s, for the whole step (memory: the compiled
+        collectives' memory traffic on CPUs, and error feedback's
+        residual passes).
+      gradient_bits, parameter_bits: wire bits per element of the gradient
+        and of the parameters.
+      regather: whether the backward pass's re-gather is counted.
+    """
+
+    sharding: Sharding
+    label: str
+    wire: float
+    latency: float
+    kernels: float
+    memory: float
+    inter_bytes: float
+    device_bytes: float
+    gradient_bits: float
+    parameter_bits: float
+    regather: bool
+
+    @property
+    def seconds(self) -> float:
+        return self.wire + self.latency + self.kernels + self.memory
+
+    @property
+    def baseline(self) -> bool:
+        return self.sharding.baseline
+
+
+def _wire_bits(codec: Codec | None, n: int, dtype) -> float:
+    if codec is None:
+        return 8.0 * np.dtype(dtype).itemsize
+    return 8 * codec.wire_nbytes((n,), F32) / n
+
+
+def predict_sharded(
+    s: Sharding,
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    regather: bool = True,
+    error_feedback: bool = True,
+    bucket: int | None = None,
+) -> ShardedEstimate:
+    """The predicted communication time of one step of sharded training of
+    ``n`` parameters (:func:`sharded_parts` of each layer), with the link
+    model and kernel rates of the all-reduce rows (:func:`predict`).
+
+    Args:
+      s: what is compressed, and the layout.
+      n: the model's parameters.
+      cluster: the devices and links.
+      compute: the codecs' speed (None: the wire alone).
+      regather: count the backward pass's re-gather of the parameters.
+      error_feedback: count error feedback's residual passes.
+      bucket: values per layer: the model is ``ceil(n / bucket)`` equal
+        layers, each gathered and scattered on its own. None: one.
+    """
+    k = 1 if not bucket or n <= bucket else -(-n // bucket)
+    m = shard_values(-(-n // k), cluster, s.hsdp)
+    parts = sharded_parts(
+        s, m, cluster, regather=regather, error_feedback=error_feedback, compute=compute
+    )
+    costs = [_part_cost(part, cluster, compute) for part in parts]
+    wire, latency, kern, mem, inter, dev = (sum(c) for c in zip(*costs, strict=True))
+    shard_axes, _ = _shard_axes(cluster, s.hsdp)
+    label = s.layout if s.hsdp or len(shard_axes.sizes) == 1 else "fsdp(slow, fast)"
+    e = ShardedEstimate(
+        s,
+        label,
+        wire,
+        latency,
+        kern,
+        mem,
+        inter,
+        dev,
+        _wire_bits(s.gradients, m, s.dtype),
+        _wire_bits(s.parameters, m // shard_axes.size, s.dtype),
+        regather,
+    )
+    return times(e, k)
+
+
+def _part_cost(part: Part, cluster: Cluster, compute: Compute | None) -> tuple[float, ...]:
+    """(wire, latency, kernel and memory seconds, bytes out of a process
+    and of a device) of a step's runs of ``part``: the all-reduce rows'
+    terms (:func:`predict`)."""
+    wire, latency, inter, dev = _on_axes(part.collectives, cluster, part.spans)
+    kern = mem = 0.0
+    if compute is not None:
+        kern = compute.share * sum(compute.rates(c).seconds(w, v) for w, v, c in part.calls)
+        mem = compute.memory_seconds(ERROR_FEEDBACK_BYTES * part.residual)
+        if compute.platform == "cpu" and part.traffic is not None:
+            mem += _memory_seconds(compute, part.traffic(), part.values)
+    return tuple(part.count * x for x in (wire, latency, kern, mem, inter, dev))
+
+
+def shardings(
+    codecs: Sequence[Codec], parameters: Sequence[Codec | None], cluster: Cluster
+) -> list[Sharding]:
+    """The configurations :func:`plan_sharded` ranks: float32 and bf16
+    sharded training, and every gradient codec with every parameter codec;
+    each as FSDP and, where processes have several devices, as HSDP."""
+    layouts = (False, True) if _two_levels(cluster) else (False,)
+    out = []
+    for hsdp in layouts:
+        out.append(Sharding(hsdp=hsdp))
+        out.append(Sharding(hsdp=hsdp, dtype=np.dtype("bfloat16")))
+        for g in codecs:
+            for p in parameters:
+                out.append(Sharding(g, p, hsdp))
+    return out
+
+
+def plan_sharded(
+    n: int,
+    cluster: Cluster,
+    compute: Compute | None = None,
+    *,
+    codecs: Sequence[Codec] | None = None,
+    parameters: Sequence[Codec | None] = (None,),
+    regather: bool = True,
+    error_feedback: bool = True,
+    bucket: int | None = None,
+) -> tuple[list[ShardedEstimate], list[tuple[Sharding, str]]]:
+    """Sharded training's configurations (:func:`shardings`) predicted and
+    ranked, fastest first, with float32 sharded training (lax's
+    reduce-scatter and all-gather) among them as the baseline.
+
+    Args:
+      n: the model's parameters.
+      cluster, compute, bucket: as :func:`plan`'s (``bucket``: values per
+        layer).
+      codecs: the gradient codecs (default: :func:`default_codecs`).
+      parameters: the parameter all-gather's codecs, None for exact.
+      regather, error_feedback: as :func:`predict_sharded`'s.
+    Returns:
+      ``(rows, left_out)``: the estimates sorted by predicted seconds, and
+      the configurations a collective does not take, each with why.
+    """
+    codecs = default_codecs() if codecs is None else codecs
+    rows, left_out = [], []
+    for s in shardings(codecs, parameters, cluster):
+        try:
+            e = predict_sharded(
+                s,
+                n,
+                cluster,
+                compute,
+                regather=regather,
+                error_feedback=error_feedback,
+                bucket=bucket,
+            )
+        except ValueError as why:
+            left_out.append((s, str(why)))
+            continue
+        rows.append(e)
+    key = lambda e: (e.seconds, e.label, e.sharding.name, e.sharding.parameters_name)  # noqa: E731
+    return sorted(rows, key=key), left_out
+
+
+def sharded_table(rows: Sequence[ShardedEstimate], top: int | None = None) -> str:
+    """A markdown table of ranked sharded-training estimates, with the
+    speedup over the fastest float32 sharded training; ``top``: the best
+    rows only, and the float32 ones."""
+    base = min(e.seconds for e in rows if e.baseline)
+    lines = [
+        "| rank | gradients | parameters | layout | bits/elt (grad, param) | GB out per process "
+        "| wire | latency | codec kernels | memory | total | vs best float32 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for i, e in enumerate(rows, 1):
+        if top is not None and i > top and not e.baseline:
+            continue
+        s = e.sharding
+        lines.append(
+            f"| {i} | `{s.name}` | `{s.parameters_name}` | {e.label} "
+            f"| {e.gradient_bits:.2f}, {e.parameter_bits:.2f} | {_time_cells(e, base)} |"
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
 # Units and tables, for the command line
 # ---------------------------------------------------------------------------
 _RATE_UNITS = {
@@ -1132,6 +1626,16 @@ def _fmt_s(t: float) -> str:
     return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
 
 
+def _time_cells(e, base: float) -> str:
+    """The cells both tables share: GB out per process, the time's parts,
+    the total and the speedup over ``base`` seconds."""
+    return (
+        f"{e.inter_bytes / 1e9:.3f} | {_fmt_s(e.wire)} | {_fmt_s(e.latency)} "
+        f"| {_fmt_s(e.kernels)} | {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} "
+        f"| {base / e.seconds:.2f}x"
+    )
+
+
 def table(rows: Sequence[Estimate], top: int | None = None) -> str:
     """A markdown table of ranked estimates, with the speedup over the
     fastest float32 row and what the accuracy study measured
@@ -1149,9 +1653,7 @@ def table(rows: Sequence[Estimate], top: int | None = None) -> str:
             continue
         sgd, adam = (accuracy_class(v) for v in measured_loss(e))
         lines.append(
-            f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {e.inter_bytes / 1e9:.3f} "
-            f"| {_fmt_s(e.wire)} | {_fmt_s(e.latency)} | {_fmt_s(e.kernels)} "
-            f"| {_fmt_s(e.memory)} | {_fmt_s(e.seconds)} | {base / e.seconds:.2f}x "
+            f"| {i} | `{e.name}` | {e.algorithm} | {e.bits:.2f} | {_time_cells(e, base)} "
             f"| {sgd} | {adam} |"
         )
     return "\n".join(lines)

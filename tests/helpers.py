@@ -85,6 +85,20 @@ def worker_xla_flags(devices: int | None = None) -> str:
     return " ".join(flags)
 
 
+def worker_env(root, devices: int | None = None) -> dict:
+    """The environment of a worker process on the CPU: this one's, with
+    :func:`worker_xla_flags` and the checkout ``root`` first on the path
+    (the workers import the checkout's jaxcomp and tests' modules)."""
+    import os
+
+    return {
+        **os.environ,
+        "XLA_FLAGS": worker_xla_flags(devices),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
+
+
 def run_processes(commands, envs, *, timeout: float, cwd=None) -> list[str]:
     """Runs one process per command (``envs[i]`` its environment) at once,
     each bounded by ``timeout`` seconds, and kills whatever is left.

@@ -324,3 +324,104 @@ def test_sharded_params_reach_the_replicated_step_with_a_pointer():
     step = jc.data_parallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(LR), mesh)
     with pytest.raises(ValueError, match="shard_params="):
         step.init({"w": w})
+
+
+def test_a_step_that_is_not_finite_changes_nothing():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(axis="fsdp", gradients=jc.codecs.QSGD(bits=4))
+    step = jc.data_parallel(_mlp, optax.adam(1e-2), mesh, shard_params=cfg, donate=False)
+    params, state = step.init(_params())
+    params, state, _ = step(params, state, _batch())
+    x, y = _batch()
+    bad = (x.at[60, 3].set(jnp.nan), y)  # one example of the last device
+    p, s, loss = step(params, state, bad)
+    assert not np.isfinite(float(loss))
+    before = jax.tree.leaves((params, state.opt_state, state.residuals))
+    after = jax.tree.leaves((p, s.opt_state, s.residuals))
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    p, s, loss = step(p, s, _batch())
+    assert np.isfinite(float(loss)) and _max_diff(p, params) > 0
+
+
+def _sent_per_device(compiled_text, group_size):
+    """Bytes one device sends in the collectives among ``group_size``
+    devices, as docs/collectives.md counts them: (P-1)/P of an all-gather's
+    result, of an all-to-all's or a reduce-scatter's operand, and 2 (P-1)/P
+    of an all-reduce's."""
+    sent = 0.0
+    for line in compiled_text.splitlines():
+        m = re.search(r"= (.*?) (all-gather|all-to-all|reduce-scatter|all-reduce)\(", line)
+        g = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+        if not m or not g or len(g.group(1).split(",")) != group_size:
+            continue
+        nbytes = 0
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            nbytes += _ITEM[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+        p = group_size
+        sent += {
+            "all-gather": (p - 1) / p,
+            "all-to-all": (p - 1) / p,
+            "reduce-scatter": p - 1,  # of the result: the operand is p times it
+            "all-reduce": 2 * (p - 1) / p,
+        }[m.group(2)] * nbytes
+    return sent
+
+
+def test_hsdp_compresses_the_slow_axis_to_a_sixth():
+    mesh = jax.make_mesh((2, 4), ("slow", "fast"))
+    params = {"w": jnp.zeros((256, 512)), "v": jnp.zeros((512, 256))}
+
+    def loss(p, x):
+        return jnp.sum((x @ p["v"]) @ p["w"])
+
+    sent = {}
+    for name, codec in {"f32": None, "qsgd4": jc.codecs.QSGD(bits=4)}.items():
+        cfg = fsdp.ShardParams(axis="fast", replicate_over="slow", gradients=codec)
+        step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg)
+        p, s = step.init(params)
+        text = jax.jit(step._build()).lower(p, s, jnp.ones((8, 512))).compile().as_text()
+        sent[name] = (_sent_per_device(text, 2), _sent_per_device(text, 4))
+    # float32: the owned quarter of both matrices, all-reduced over the pair.
+    assert sent["f32"][0] == 2 * 256 * 512 * 4 / 4
+    assert 0 < sent["qsgd4"][0] <= sent["f32"][0] / 6
+    assert sent["qsgd4"][1] == sent["f32"][1]  # the fast axis stays exact
+
+
+def test_an_unused_parameter_keeps_its_residual():
+    """A parameter the loss does not use has no backward pass of its gather:
+    its residual stays what it was (overwritten with a zero "gradient" it
+    would lose what the device owes)."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(axis="fsdp", gradients=jc.codecs.QSGD(bits=2))
+    step = jc.data_parallel(
+        lambda p, x: jnp.sum(p["a"] * x.mean(0)),
+        optax.sgd(LR),
+        mesh,
+        shard_params=cfg,
+        donate=False,
+    )
+    params, state = step.init({"a": jnp.ones((64, 8)), "unused": jnp.ones((64, 8))})
+    state = state._replace(residuals=tuple(r + 0.5 for r in state.residuals))
+    _, new, _ = step(params, state, jax.random.normal(jax.random.key(0), (8, 64, 8)))
+    np.testing.assert_array_equal(np.asarray(new.residuals[1]), np.asarray(state.residuals[1]))
+    assert not np.array_equal(np.asarray(new.residuals[0]), np.asarray(state.residuals[0]))
+
+
+def test_aux_is_averaged_and_the_key_differs_per_device():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+
+    def loss(p, batch, key):
+        noise = jax.random.uniform(key, ())  # a draw of this device's key
+        return _mlp(p, batch), {"noise": noise, "n": jnp.ones(())}
+
+    step = jc.data_parallel(
+        loss, optax.sgd(LR), mesh, shard_params="fsdp", has_aux=True, donate=False
+    )
+    params, state = step.init(_params())
+    key = jax.random.key(7)
+    _, _, (value, aux) = step(params, state, _batch(), key)
+    assert float(aux["n"]) == 1.0
+    draws = [jax.random.uniform(jax.random.fold_in(key, d), ()) for d in range(8)]
+    np.testing.assert_allclose(float(aux["noise"]), float(np.mean(draws)), rtol=1e-6)
+    assert float(value) == pytest.approx(float(_mlp(_params(), _batch())), rel=1e-6)

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomp
 from jaxcomp import wire
-from jaxcomp.codecs import QSGD, Codec, Int8, OneBit, Rate, ThreeLC, TopK
+from jaxcomp.codecs import FP8, QSGD, Codec, Int8, OneBit, Rate, ThreeLC, TopK
 
 
 def _cuda_device() -> jax.Device | None:
@@ -462,13 +462,13 @@ def test_collectives_on_one_gpu_match_one_cpu(codec, algorithm):
     )
 
 
-def test_train_step_on_one_gpu():
-    """jc.data_parallel with QSGD and error feedback on a one-GPU mesh: the
-    loss falls, and the losses and parameters follow the one-CPU run's
-    (matrix products at float32 precision on both; the two platforms' matrix
-    products round differently, which can move a stochastic rounding by a
-    level, so the comparison has a tolerance of a few levels' updates)."""
-    import optax
+def _train_on_one_device_like_cpu(make_step) -> None:
+    """Twenty steps of ``make_step(mesh)`` (a jc.data_parallel step) on a
+    one-GPU mesh and on a one-CPU mesh, from the same MLP and batch: the
+    GPU's loss falls and follows the CPU's (matrix products at float32
+    precision on both; the two platforms' matrix products round
+    differently, which can move a stochastic rounding by a level, so the
+    comparison has a tolerance of a few levels' updates)."""
 
     def loss_fn(params, batch):
         x, y = batch
@@ -484,12 +484,7 @@ def test_train_step_on_one_gpu():
     batch = (x, jnp.sin(x[:, :1]))
 
     def run(device):
-        mesh = _one_device_mesh(device)
-        tx = optax.chain(
-            jaxcomp.optax.compress_gradients(QSGD(bits=4), "data", min_compress_size=0),
-            optax.sgd(0.1),
-        )
-        step = jaxcomp.data_parallel(loss_fn, tx, mesh)
+        step = make_step(loss_fn, _one_device_mesh(device))
         p, s = step.init(jax.device_put(params, device))
         losses = []
         with jax.default_matmul_precision("float32"):
@@ -504,3 +499,63 @@ def test_train_step_on_one_gpu():
     for k in params:
         assert p_gpu[k].devices() == {GPU}
         np.testing.assert_allclose(np.asarray(p_gpu[k]), np.asarray(p_cpu[k]), rtol=0, atol=1e-2)
+
+
+def test_train_step_on_one_gpu():
+    """jc.data_parallel with QSGD and error feedback on a one-GPU mesh."""
+    import optax
+
+    def make_step(loss_fn, mesh):
+        tx = optax.chain(
+            jaxcomp.optax.compress_gradients(QSGD(bits=4), "data", min_compress_size=0),
+            optax.sgd(0.1),
+        )
+        return jaxcomp.data_parallel(loss_fn, tx, mesh)
+
+    _train_on_one_device_like_cpu(make_step)
+
+
+# ---------------------------------------------------------------------------
+# Sharded training's collectives and step on a one-GPU mesh: the bytes of a
+# one-CPU mesh (the decode-and-sum and one-pass kernels on each platform).
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("codec", [QSGD(bits=4), Int8(), FP8(), OneBit()], ids=codec_id)
+def test_scatter_and_gather_on_one_gpu_match_one_cpu(codec):
+    x = gpu_input(4 * 16384, np.float32).reshape(4, -1)
+    r = gpu_input(4 * 16384, np.float32) / 8
+
+    def run(device):
+        mesh = _one_device_mesh(device)
+
+        def body(x, r, key):
+            s = jaxcomp.psum_scatter(x, "data", codec, key=key, tiled=True)
+            value, kept = jaxcomp.collectives.psum_scatter_feedback(
+                x, r, "data", codec, key=key, tiled=True
+            )
+            g = jaxcomp.all_gather(x, "data", codec, key=key, tiled=True)
+            return s.value, s.sent, value, kept, g
+
+        f = jax.jit(
+            jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P(), check_vma=False)
+        )
+        return [np.asarray(a) for a in f(*_on(device, x, r, jax.random.key(5)))]
+
+    names = ("value", "sent", "feedback value", "kept", "gathered")
+    _report(
+        {
+            what: d
+            for what, g, c in zip(names, run(GPU), run(CPU), strict=True)
+            if (d := _difference(g, c))
+        }
+    )
+
+
+def test_sharded_step_on_one_gpu():
+    """jc.data_parallel(shard_params=...) with an Int8 all-gather and a
+    QSGD-4 reduce-scatter under error feedback on a one-GPU mesh."""
+    import optax
+
+    cfg = jaxcomp.fsdp.ShardParams(axis="data", gradients=QSGD(bits=4), parameters=Int8())
+    _train_on_one_device_like_cpu(
+        lambda loss_fn, mesh: jaxcomp.data_parallel(loss_fn, optax.sgd(0.1), mesh, shard_params=cfg)
+    )
