@@ -5,8 +5,8 @@ laid out), and held-out loss at equal steps, sharded float32 against
 compressed collectives, paired by seed.
 
     python benchmarks/fsdp.py --bytes --memory        # HLO and memory tables (minutes)
-    python benchmarks/fsdp.py --accuracy --steps 200  # the loss study (long: run it niced)
-    python benchmarks/fsdp.py --accuracy --only hsdp-qsgd4-ef --steps 200   # one row more
+    python benchmarks/fsdp.py --accuracy              # the loss study (long: run it niced)
+    python benchmarks/fsdp.py --accuracy --only hsdp-qsgd4-ef --seeds 0   # one row, one seed
     python benchmarks/fsdp.py --render                # tables again from the JSON
 
 Run from the repository root, on 8 simulated CPU devices. Each part merges
@@ -84,6 +84,8 @@ DESIGNS = {
             param_codec="int8",
             width=512,
         ),
+        Design("sharded-qsgd4-ef", "sharded, float32 AG + QSGD-4 RS + EF", codec=QSGD4),
+        Design("sharded-int8", "sharded, int8 AG + float32 RS", param_codec="int8"),
         Design(
             "sharded-int8-qsgd4",
             "sharded, int8 AG + QSGD-4 RS, no EF",
@@ -121,7 +123,14 @@ MEMORY_ROWS = [
     "sharded-int8-qsgd4",
     "hsdp-qsgd4-ef",
 ]
-ACCURACY_ROWS = ["sharded-f32", "sharded-int8-qsgd4-ef", "sharded-int8-qsgd4", "hsdp-qsgd4-ef"]
+ACCURACY_ROWS = [
+    "sharded-f32",
+    "sharded-int8-qsgd4-ef",
+    "sharded-qsgd4-ef",
+    "sharded-int8",
+    "hsdp-qsgd4-ef",
+    "sharded-int8-qsgd4",
+]
 
 
 def lm_config(d: Design, **kw):
@@ -430,7 +439,7 @@ def main() -> int:
     if args.memory:
         measured("memory", MEMORY_ROWS, measure_memory)
     if args.accuracy:
-        labels = args.only or ACCURACY_ROWS[:2]
+        labels = args.only or ACCURACY_ROWS
         run_accuracy(labels, args.seeds, args.steps, log)
     render(load())
     return 0
