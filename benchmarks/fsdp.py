@@ -84,6 +84,18 @@ DESIGNS = {
             param_codec="int8",
             width=512,
         ),
+        Design(
+            "sharded-int8-int8-ef",
+            "sharded, int8 AG + int8 RS + EF",
+            codec="int8",
+            param_codec="int8",
+        ),
+        Design(
+            "sharded-int8-int8-ef-b64",
+            "sharded, int8 AG + int8 RS + EF, 64-value buckets",
+            codec="int8:bucket_size=64",
+            param_codec="int8:bucket_size=64",
+        ),
         Design("sharded-qsgd4-ef", "sharded, float32 AG + QSGD-4 RS + EF", codec=QSGD4),
         Design("sharded-int8", "sharded, int8 AG + float32 RS", param_codec="int8"),
         Design(
@@ -109,6 +121,8 @@ BYTES_ROWS = [
     "sharded-bf16",
     "sharded-int8-qsgd4-ef",
     "sharded-int8-qsgd4-ef-b64",
+    "sharded-int8-int8-ef",
+    "sharded-int8-int8-ef-b64",
     "sharded-f32-w512",
     "sharded-int8-qsgd4-ef-w512",
     "hsdp-f32",
@@ -130,6 +144,7 @@ ACCURACY_ROWS = [
     "sharded-int8",
     "hsdp-qsgd4-ef",
     "sharded-int8-qsgd4",
+    "sharded-int8-int8-ef",
 ]
 
 
