@@ -145,6 +145,7 @@ ACCURACY_ROWS = [
     "hsdp-qsgd4-ef",
     "sharded-int8-qsgd4",
     "sharded-int8-int8-ef",
+    "sharded-int8-int8-ef-b64",
 ]
 
 
