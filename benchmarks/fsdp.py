@@ -142,6 +142,7 @@ ACCURACY_ROWS = [
     "sharded-int8-qsgd4-ef",
     "sharded-qsgd4-ef",
     "sharded-int8",
+    "hsdp-f32",
     "hsdp-qsgd4-ef",
     "sharded-int8-qsgd4",
     "sharded-int8-int8-ef",
@@ -365,7 +366,8 @@ def accuracy_table(acc: dict) -> str:
         "mean difference (%) ± SE |",
         "|---|---|---|---|---|",
     ]
-    for label, runs in acc.items():
+    order = [k for k in ACCURACY_ROWS if k in acc] + [k for k in acc if k not in ACCURACY_ROWS]
+    for label, runs in ((k, acc[k]) for k in order):
         seeds = sorted(runs, key=int)
         loss = np.array([runs[s]["test_loss"] for s in seeds])
         line = (

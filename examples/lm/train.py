@@ -7,7 +7,9 @@ Each of ``num_devices`` devices (8 simulated CPU devices by default) draws its
 own random windows, and the gradients are all-reduced by the first stage of
 an optax chain: a float32 ``lax.pmean`` for ``--codec float32``, else
 ``jc.optax.compress_gradients``. The loss is the mean next-byte cross entropy
-(nats per byte); perplexity is its exponential.
+(nats per byte); perplexity is its exponential. With ``shard_params`` the
+parameters, AdamW's state and the residuals are sharded over the devices
+instead (:class:`ShardedTrainer`, docs/fsdp.md).
 """
 
 from __future__ import annotations
