@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -524,3 +525,85 @@ def config_from_flags(args, *, default: str):
     if "codec" in overrides:
         parse_codec(overrides["codec"])  # fail early on a malformed spec
     return dataclasses.replace(config, **overrides)
+
+
+# Bytes per element of the HLO dtypes a collective can carry.
+_HLO_ITEMSIZE = {
+    "f64": 8, "f32": 4, "bf16": 2, "f16": 2, "f8e4m3fn": 1, "f8e5m2": 1, "s64": 8, "u64": 8,
+    "s32": 4, "u32": 4, "s16": 2, "u16": 2, "s8": 1, "u8": 1, "pred": 1,
+}  # fmt: skip
+
+_COLLECTIVE = re.compile(
+    r"= (?P<result>.*?) (?P<kind>all-gather|all-to-all|reduce-scatter|all-reduce|"
+    r"collective-permute)(?:-start)?\((?P<rest>.*)$",
+    re.MULTILINE,
+)
+
+
+def _hlo_nbytes(types: str) -> int:
+    """Bytes of an HLO result type (a tuple's elements summed)."""
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", types):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += _HLO_ITEMSIZE[dtype] * n
+    return total
+
+
+def _replica_groups(rest: str, num_devices: int) -> list[list[int]]:
+    """The replica groups of a collective, from its explicit
+    ``{{0,1},{2,3}}`` or iota ``[G,P]<=[dims]T(perm)`` form."""
+    import numpy as np
+
+    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
+    if m:
+        return [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", m[1])]
+    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+    if m:
+        dims = [int(d) for d in m[3].split(",")]
+        ids = np.arange(int(np.prod(dims))).reshape(dims)
+        if m[4]:
+            ids = ids.transpose([int(d) for d in m[4].split(",")])
+        return ids.reshape(int(m[1]), int(m[2])).tolist()
+    return [list(range(num_devices))]  # replica_groups={}: every device
+
+
+def collective_traffic(hlo_text: str, mesh) -> list[dict]:
+    """Every collective of a compiled SPMD program (``compiled.as_text()``)
+    and the bytes one device sends in it, counted as docs/collectives.md
+    counts them (``jc.collectives.send_nbytes``): ``(P-1)/P`` of an
+    all-gather's result, of an all-to-all's operand (XLA:CPU returns it as
+    a tuple, summed) and of a reduce-scatter's operand (``P`` times its
+    result), ``2 (P-1)/P`` of an all-reduce's (a ring), every byte of a
+    collective-permute.
+
+    Returns:
+      One dict per collective instruction: ``kind``, ``group`` (devices per
+      replica group, ``P``), ``axes`` (the mesh axes its groups span) and
+      ``sent`` (bytes per device).
+    """
+    import numpy as np
+
+    # Groups name devices by their place in the mesh (SPMD partition ids).
+    shape = mesh.devices.shape
+    out = []
+    for m in _COLLECTIVE.finditer(hlo_text):
+        kind, nbytes = m["kind"], _hlo_nbytes(m["result"])
+        groups = _replica_groups(m["rest"], mesh.devices.size)
+        p = len(groups[0])
+        # The mesh axes along which the first group's devices differ.
+        coords = np.array(np.unravel_index(groups[0], shape)).T
+        axes = tuple(name for k, name in enumerate(mesh.axis_names) if len(set(coords[:, k])) > 1)
+        if kind == "collective-permute":
+            sent = float(nbytes)
+        elif p <= 1:
+            sent = 0.0
+        elif kind == "all-reduce":
+            sent = 2.0 * (p - 1) / p * nbytes
+        elif kind == "reduce-scatter":
+            sent = float((p - 1) * nbytes)
+        else:  # all-gather: its result; all-to-all: operand and result alike
+            sent = (p - 1) / p * nbytes
+        out.append({"kind": kind, "group": p, "axes": axes, "sent": sent})
+    return out

@@ -4,6 +4,9 @@
     python -m examples.lm.main --codec float32 --workdir /tmp/lm
     python -m examples.lm.main --codec onebit --optimizer onebit_adam
     python -m examples.lm.main --sync-every 50 --codec int8 --no-error-feedback   # DiLoCo
+    python -m examples.lm.main --shard-params --codec qsgd:bits=4 --param-codec int8   # FSDP
+    python -m examples.lm.main --shard-params --replicas 2 --codec qsgd:bits=4   # HSDP
+    python -m jaxcomp launch -n 2 --devices-per-process 4 -- python -m examples.lm.main --shard-params
 
 Run from the repository root. ``--config`` names a Python file whose
 ``get_config()`` returns a ``train.Config`` (default: configs/default.py);
@@ -19,6 +22,7 @@ common.simulate_devices(8)  # before jax is imported (by train below)
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 
+import jaxcomp as jc  # noqa: E402
 from examples.lm import train  # noqa: E402
 
 
@@ -52,6 +56,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--fragments", type=int, help="Streaming DiLoCo: fragments (default 1)")
     ap.add_argument("--overlap-steps", type=int, help="Streaming DiLoCo: tau (default 0)")
     ap.add_argument("--alpha", type=float, help="Streaming DiLoCo: mixing factor (default 0)")
+    ap.add_argument(
+        "--shard-params",
+        action="store_true",
+        default=None,
+        help="sharded training (docs/fsdp.md): parameters, Adam's state and residuals sharded "
+        "over the devices; --codec compresses the gradient reduce-scatter",
+    )
+    ap.add_argument(
+        "--param-codec",
+        help="with --shard-params: the parameter all-gather's codec, NAME[:KEY=VALUE,...] "
+        "(default float32: exact; int8, fp8, mx, bfloat16)",
+    )
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        help="with --shard-params: HSDP, the shards replicated over this many groups "
+        "(a replicas x devices/replicas mesh; only that axis's traffic compressed)",
+    )
     args = ap.parse_args(argv)
     config = common.config_from_flags(args, default="examples/lm/configs/default.py")
     extra = {"optimizer": args.optimizer, "freeze_steps": args.freeze_steps, "send": args.send}
@@ -61,8 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
         fragments=args.fragments,
         overlap_steps=args.overlap_steps,
         alpha=args.alpha,
+        shard_params=args.shard_params,
+        param_codec=args.param_codec,
+        replicas=args.replicas,
     )
+    if args.param_codec is not None:
+        common.parse_codec(args.param_codec)  # fail early on a malformed spec
     config = dataclasses.replace(config, **{k: v for k, v in extra.items() if v is not None})
+    jc.launch.initialize()  # under `python -m jaxcomp launch`: join the other processes
     result = train.train_and_evaluate(config, args.workdir, verbose=not args.quiet)
     print(
         f"final: held-out loss {result['test_loss']:.4f} nats/byte  "

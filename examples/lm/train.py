@@ -7,7 +7,9 @@ Each of ``num_devices`` devices (8 simulated CPU devices by default) draws its
 own random windows, and the gradients are all-reduced by the first stage of
 an optax chain: a float32 ``lax.pmean`` for ``--codec float32``, else
 ``jc.optax.compress_gradients``. The loss is the mean next-byte cross entropy
-(nats per byte); perplexity is its exponential.
+(nats per byte); perplexity is its exponential. With ``shard_params`` the
+parameters, AdamW's state and the residuals are sharded over the devices
+instead (:class:`ShardedTrainer`, docs/fsdp.md).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import optax
 from examples import common
 
 HELD_OUT = 0.1
+# HSDP's mesh axes: the replicas (slow links), then the shards (fast ones).
+REPLICA_AXES = ("replica", common.AXIS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +70,15 @@ class Config:
     log_every: int = 100
     seed: int = 0
     num_devices: int | None = None  # None: every GPU, else the 8 simulated CPU devices
+    # Sharded training (docs/fsdp.md): parameters, optimizer state and
+    # residuals sharded over the devices (jc.data_parallel(shard_params=...)),
+    # the gradient reduce-scatter compressed with ``codec`` and the parameter
+    # all-gather with ``param_codec`` ("float32": exact). replicas > 1: HSDP,
+    # a (replicas x devices/replicas) mesh, the shards replicated over the
+    # first axis, whose traffic alone is compressed.
+    shard_params: bool = False
+    param_codec: str = "float32"
+    replicas: int = 1
 
 
 class Block(nn.Module):
@@ -207,9 +220,162 @@ class Trainer:
         return _loss_and_accuracy(self.model.apply({"params": params}, w[:, :-1]), w[:, 1:])
 
 
+class ShardedTrainer:
+    """The sharded configuration (``Config.shard_params``): the parameters,
+    Adam's state and the residuals sharded over the devices by
+    ``jc.data_parallel(shard_params=jc.fsdp.ShardParams(...))``, which
+    all-gathers each parameter for the forward pass and reduce-scatters its
+    gradient (compressed with ``codec``; the all-gather with
+    ``param_codec``). The batch is a global array drawn on the devices, so
+    the same program runs with several processes (``jaxcomp launch``).
+
+    A leaf whose dimension 0 does not divide over the sharding devices
+    (attention's per-head biases and output kernel: ``num_heads`` rows) is
+    sharded flattened: the step sees it as a vector, the model gets it back
+    in its own shape after the gather."""
+
+    def __init__(self, config: Config):
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        import jaxcomp as jc
+        from jaxcomp import fsdp
+
+        self.config = c = config
+        self.spec = common.parse_codec(c.codec)
+        self.param_spec = common.parse_codec(c.param_codec)
+        if self.spec.powersgd:
+            raise ValueError("shard_params: --codec powersgd is not a reduce-scatter codec")
+        if c.optimizer != "adamw" or c.sync_every:
+            raise ValueError("shard_params trains with adamw only (no onebit_adam, no DiLoCo)")
+        flat = common.make_mesh(c.num_devices, c.global_batch_size)
+        n = flat.size
+        if c.replicas < 1 or n % c.replicas:
+            raise ValueError(f"replicas={c.replicas} must divide the {n} devices")
+        if c.replicas > 1:  # HSDP: sharded over AXIS, replicated over "replica"
+            self.mesh = Mesh(flat.devices.reshape(c.replicas, n // c.replicas), REPLICA_AXES)
+        else:
+            self.mesh = flat
+        self.shard_count = n // c.replicas
+        corpus = load_corpus()
+        replicated = NamedSharding(self.mesh, P())
+        self.train_bytes = jax.device_put(corpus["train"].astype(np.int32), replicated)
+        ctx = c.context
+        n_test = min(c.eval_windows, (len(corpus["test"]) - 1) // ctx)
+        windows = np.stack(
+            [corpus["test"][i * ctx : i * ctx + ctx + 1] for i in range(n_test)]
+        ).astype(np.int32)
+        self.test_windows = jax.device_put(windows, replicated)
+        self.model = ByteLM(c.width, c.num_layers, c.num_heads, ctx)
+        tokens = jnp.zeros((1, ctx), jnp.int32)
+        self.shapes = jax.eval_shape(
+            lambda k: self.model.init(k, tokens)["params"], jax.random.key(0)
+        )
+        self.num_params = sum(int(np.prod(a.shape)) for a in jax.tree.leaves(self.shapes))
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, c.learning_rate, min(c.warmup, c.steps - 1), c.steps
+        )
+        self.tx = optax.adamw(schedule, weight_decay=c.weight_decay)
+        self.shard = fsdp.ShardParams(
+            axis=common.AXIS,
+            gradients=self.spec.build(),
+            parameters=self.param_spec.build(),
+            error_feedback=c.error_feedback,
+            replicate_over=REPLICA_AXES[0] if c.replicas > 1 else None,
+            seed=c.seed,
+        )
+        model = self.model
+
+        def loss_fn(params, windows):
+            logits = model.apply({"params": self.unflatten(params)}, windows[:, :-1])
+            return _loss_and_accuracy(logits, windows[:, 1:])
+
+        self.step = jc.data_parallel(
+            loss_fn, self.tx, self.mesh, shard_params=self.shard, has_aux=True
+        )
+        n_train, batch = self.train_bytes.shape[0], c.global_batch_size
+
+        def draw(data, key, step):
+            key = jax.random.fold_in(key, step)
+            starts = jax.random.randint(key, (batch, 1), 0, n_train - ctx - 1)
+            return data[starts + jnp.arange(ctx + 1)]
+
+        self._draw = jax.jit(draw, out_shardings=self.step.batch_sharding)
+        self._init = jax.jit(
+            lambda k: self.flatten(model.init(k, tokens)["params"]), out_shardings=replicated
+        )
+
+        def evaluate(params, w):
+            return _loss_and_accuracy(
+                model.apply({"params": self.unflatten(params)}, w[:, :-1]), w[:, 1:]
+            )
+
+        self._evaluate = jax.jit(evaluate)
+        self._telemetry = None
+
+    def flatten(self, params):
+        """``params`` as the step shards them (leaves that do not divide: 1-D)."""
+        return jax.tree.map(lambda a: a if self._divides(a.shape) else a.reshape(-1), params)
+
+    def unflatten(self, params):
+        """The model's parameters from :meth:`flatten`'s."""
+        return jax.tree.map(lambda a, s: a.reshape(s.shape), params, self.shapes)
+
+    def _divides(self, shape) -> bool:
+        return len(shape) > 0 and shape[0] % self.shard_count == 0
+
+    def init_params(self, key: jax.Array) -> Any:
+        """The model's parameters (unsharded), as the replicated path's."""
+        return self.unflatten(self._init(key))
+
+    def evaluate(self, params):
+        """(held-out loss, next-byte accuracy) of the step's parameters."""
+        return self._evaluate(params, self.test_windows)
+
+    def run(self, params, state, data_key, start, num_steps: int):
+        """``num_steps`` steps from step ``start``: ``(params, state,
+        metrics)``, metrics as :func:`common.make_train_loop`'s."""
+        start = int(start)
+        sums = np.zeros(2)
+        for i in range(num_steps):
+            batch = self._draw(self.train_bytes, data_key, start + i)
+            params, state, (loss, acc) = self.step(params, state, batch)
+            if self._telemetry is None:
+                self._telemetry = self.telemetry(params, state, batch)
+            # One step in flight: XLA:CPU's rendezvous can abort with many queued.
+            sums += (float(loss), float(acc))
+        bits, wire = self._telemetry
+        metrics = np.array([*(sums / num_steps), bits, wire], np.float64)
+        return params, state, metrics
+
+    def telemetry(self, params, state, batch) -> tuple[float, float]:
+        """(bits per element, bytes one device sends per step), read from the
+        compiled step (:func:`common.collective_traffic`). Bits per element
+        are normalized as the replicated path's: a float32 ring all-reduce
+        (a reduce-scatter and an all-gather, ``2 (P-1)/P`` of 4 bytes per
+        element) is 32 bits, and so is float32 sharded training."""
+        # The step's own jitted function: lowering it again hits JAX's caches.
+        text = self.step._step.lower(params, state, batch).compile().as_text()
+        wire = sum(c["sent"] for c in common.collective_traffic(text, self.mesh))
+        p = self.mesh.size
+        return 8.0 * wire / (2.0 * (p - 1) / p * self.num_params), wire
+
+    def start(self, config: Config, workdir, *, verbose: bool) -> dict:
+        init_key, data_key = jax.random.split(jax.random.key(config.seed))
+        params, state = self.step.init(self._init(init_key))
+        result = common.fit(self, params, state, data_key, config, workdir, verbose=verbose)
+        result["params"] = self.unflatten(result["params"])
+        return result
+
+
 @functools.lru_cache(maxsize=4)
 def _trainer(config: Config) -> Trainer:
     return Trainer(config)
+
+
+@functools.lru_cache(maxsize=2)
+def _sharded_trainer(config: Config) -> ShardedTrainer:
+    return ShardedTrainer(config)
 
 
 def train_and_evaluate(
@@ -228,7 +394,11 @@ def train_and_evaluate(
       ``train_seconds`` and ``history``.
     """
     common.check_config(config, min_steps=2)
-    t = _trainer(dataclasses.replace(config, seed=0))
-    result = common.start(t, config, workdir, verbose=verbose)
+    if config.shard_params:
+        # The codecs' keys are seeded by the step itself: one per seed.
+        result = _sharded_trainer(config).start(config, workdir, verbose=verbose)
+    else:
+        t = _trainer(dataclasses.replace(config, seed=0))
+        result = common.start(t, config, workdir, verbose=verbose)
     result["test_perplexity"] = common.perplexity(result["test_loss"])
     return result
