@@ -88,6 +88,12 @@ class ShardParams:
         the loss is called.
       seed: the seed of the stochastic codecs' keys (folded with the step,
         the leaf, the layer and the device).
+      min_compress_size: leaves of fewer values (per layer, for ``layers``
+        leaves) take exact collectives whatever the codecs: a codec pads
+        each device's row to a whole bucket, so a LayerNorm scale or a bias
+        of a few dozen values per device costs more compressed than in
+        float32 (docs/fsdp.md measures it). 0: every sharded leaf through
+        the codecs.
     """
 
     axis: Hashable | tuple = "fsdp"
@@ -97,6 +103,7 @@ class ShardParams:
     replicate_over: Hashable | None = None
     layers: Callable[[tuple, Any], bool] | None = None
     seed: int = 0
+    min_compress_size: int = 0
 
     def __post_init__(self):
         for field in ("gradients", "parameters"):
@@ -345,10 +352,18 @@ class ShardedDataParallel:
             return P()
         return P(*([None] * dim), self._shard_spec)
 
+    def _compressed(self, shape, dim) -> bool:
+        """Whether a sharded leaf goes through the codecs: values per gather
+        (per layer for a ``layers`` leaf) at least ``min_compress_size``."""
+        n = int(np.prod(shape))
+        return (n // shape[0] if dim == 1 else n) >= self.config.min_compress_size
+
     def _residual_shape(self, shape, dim) -> tuple | None:
         """What one device compresses of a leaf (its residual's shape)."""
         cfg = self.config
         if dim is None or cfg.gradients is None or not cfg.error_feedback:
+            return None
+        if not self._compressed(shape, dim):
             return None
         shape = list(shape)
         if cfg.replicate_over is not None:
@@ -378,6 +393,7 @@ class ShardedDataParallel:
         self._param_specs = treedef.unflatten(specs)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+        self._shapes = [tuple(x.shape) for x in leaves]
         shapes = [self._residual_shape(x.shape, d) for x, d in zip(leaves, self._dims, strict=True)]
         self._residual_shapes = shapes
         per_device = P(self._all)
@@ -408,6 +424,18 @@ class ShardedDataParallel:
 
     # -- the step --------------------------------------------------------------
 
+    def lower(self, params, state: ShardedState, batch, key: jax.Array | None = None):
+        """The step lowered for these arguments (``jax.stages.Lowered``):
+        ``.compile()`` gives the executable whose ``memory_analysis()`` and
+        ``as_text()`` (the collectives and their bytes) the step runs, from
+        the same cache as the calls."""
+        if self._dims is None:
+            raise ValueError("jc.data_parallel: call init(params) before the step")
+        if self._step is None:
+            self._step = self._build()
+        keys = () if key is None else (key,)
+        return self._step.lower(params, state, batch, *keys)
+
     def __call__(self, params, state: ShardedState, batch, key: jax.Array | None = None):
         """One step: ``(params, state, loss)`` (``(loss, aux)`` with
         ``has_aux``), the loss averaged over the devices."""
@@ -425,15 +453,16 @@ class ShardedDataParallel:
             return jax.sharding.reshard(x, self.batch_sharding)
         return lax.with_sharding_constraint(x, self.batch_sharding)
 
-    def _spec_of(self, dim, ndim) -> _Spec:
+    def _spec_of(self, dim, shape) -> _Spec:
         cfg = self.config
+        on = self._compressed(shape, dim)
         return _Spec(
-            dim=dim - ndim,
+            dim=dim - len(shape),
             shard_axes=self._shard_axes,
             replicate=cfg.replicate_over,
-            gradients=cfg.gradients,
-            parameters=cfg.parameters,
-            feedback=cfg.error_feedback and cfg.gradients is not None,
+            gradients=cfg.gradients if on else None,
+            parameters=cfg.parameters if on else None,
+            feedback=on and cfg.error_feedback and cfg.gradients is not None,
             devices=self.num_devices,
         )
 
@@ -469,7 +498,7 @@ class ShardedDataParallel:
                     if dim is None:
                         built.append(x)
                         continue
-                    spec = self._spec_of(dim, x.ndim)
+                    spec = self._spec_of(dim, self._shapes[i])  # the whole leaf's shape
                     k = jax.random.fold_in(base, i)
                     if dim == 1:  # a layers leaf: one key per layer, gathered by the loss
                         ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(

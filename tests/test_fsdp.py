@@ -142,7 +142,7 @@ def test_scanned_model_gathers_one_layer_at_a_time():
     for remat in (True, False):
         step = jc.data_parallel(_scanned_loss(remat), optax.sgd(LR), mesh, shard_params=cfg)
         params, state = step.init(_stacked())
-        compiled = jax.jit(step._build()).lower(params, state, batch).compile()
+        compiled = step.lower(params, state, batch).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
         gathered = re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", compiled.as_text())
         assert gathered and all(
@@ -274,7 +274,7 @@ def test_compressed_step_sends_a_sixth_of_float32():
     }.items():
         step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg)
         p, s = step.init(params)
-        texts[name] = jax.jit(step._build()).lower(p, s, batch).compile().as_text()
+        texts[name] = step.lower(p, s, batch).compile().as_text()
     # Reduce-scatter output is the owned shard; its operand is P times it.
     f32_scatter = 8 * _collective_bytes(texts["f32"], "reduce-scatter")
     assert f32_scatter == 2 * 256 * 512 * 4
@@ -384,7 +384,7 @@ def test_hsdp_compresses_the_slow_axis_to_a_sixth():
         cfg = fsdp.ShardParams(axis="fast", replicate_over="slow", gradients=codec)
         step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg)
         p, s = step.init(params)
-        text = jax.jit(step._build()).lower(p, s, jnp.ones((8, 512))).compile().as_text()
+        text = step.lower(p, s, jnp.ones((8, 512))).compile().as_text()
         sent[name] = (_sent_per_device(text, 2), _sent_per_device(text, 4))
     # float32: the owned quarter of both matrices, all-reduced over the pair.
     assert sent["f32"][0] == 2 * 256 * 512 * 4 / 4
@@ -429,3 +429,24 @@ def test_aux_is_averaged_and_the_key_differs_per_device():
     draws = [jax.random.uniform(jax.random.fold_in(key, d), ()) for d in range(8)]
     np.testing.assert_allclose(float(aux["noise"]), float(np.mean(draws)), rtol=1e-6)
     assert float(value) == pytest.approx(float(_mlp(_params(), _batch())), rel=1e-6)
+
+
+def test_small_leaves_take_exact_collectives():
+    """``min_compress_size``: a leaf of fewer values goes through lax's
+    collectives, without a residual; the others through the codecs."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(
+        axis="fsdp",
+        gradients=jc.codecs.QSGD(bits=4),
+        parameters=jc.codecs.Int8(),
+        min_compress_size=500,
+    )
+    step = jc.data_parallel(_mlp, optax.sgd(LR), mesh, shard_params=cfg, donate=False)
+    params, state = step.init(_params())
+    # w1 (512 values) and w2 (256): only w1 has a residual; b1 (32) none.
+    assert [r.shape for r in state.residuals] == [(8, 16, 32)]
+    text = step.lower(params, state, _batch()).compile().as_text()
+    exact = re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", text)
+    assert sorted(exact) == ["32", "32,8"]  # b1 and w2, gathered whole in float32
+    params, state, loss = step(params, state, _batch())
+    assert np.isfinite(float(loss))
