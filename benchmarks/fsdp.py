@@ -105,6 +105,20 @@ DESIGNS = {
             param_codec="int8",
             error_feedback=False,
         ),
+        Design(
+            "sharded-int8-qsgd4-b64",
+            "sharded, int8 AG + QSGD-4 RS, no EF, 64-value buckets",
+            codec="qsgd:bits=4,bucket_size=64",
+            param_codec="int8:bucket_size=64",
+            error_feedback=False,
+        ),
+        Design(
+            "hsdp-qsgd4-b64",
+            "HSDP 2x4, QSGD-4 on the slow axis, no EF, 64-value buckets",
+            codec="qsgd:bits=4,bucket_size=64",
+            replicas=2,
+            error_feedback=False,
+        ),
         Design("hsdp-f32", "HSDP 2x4, float32", replicas=2),
         Design("hsdp-qsgd4-ef", "HSDP 2x4, QSGD-4 on the slow axis + EF", codec=QSGD4, replicas=2),
         Design(
@@ -135,6 +149,7 @@ MEMORY_ROWS = [
     "sharded-f32",
     "sharded-int8-qsgd4-ef",
     "sharded-int8-qsgd4",
+    "sharded-int8-qsgd4-b64",
     "hsdp-qsgd4-ef",
 ]
 ACCURACY_ROWS = [
@@ -147,6 +162,10 @@ ACCURACY_ROWS = [
     "sharded-int8-qsgd4",
     "sharded-int8-int8-ef",
     "sharded-int8-int8-ef-b64",
+    "sharded-int8-qsgd4-ef-b64",
+    "sharded-int8-qsgd4-b64",
+    "hsdp-qsgd4-ef-b64",
+    "hsdp-qsgd4-b64",
 ]
 
 
@@ -183,7 +202,7 @@ def compiled_step(d: Design):
         t = train.ShardedTrainer(config)
         params, state = t.step.init(t._init(jax.random.key(0)))
         batch = t._draw(t.train_bytes, jax.random.key(1), 0)
-        compiled = t.step._build().lower(params, state, batch).compile()
+        compiled = t.step.lower(params, state, batch).compile()
         return compiled, t.mesh, params, state
     t = train.Trainer(config)
     model = t.model

@@ -354,8 +354,8 @@ class ShardedTrainer:
         are normalized as the replicated path's: a float32 ring all-reduce
         (a reduce-scatter and an all-gather, ``2 (P-1)/P`` of 4 bytes per
         element) is 32 bits, and so is float32 sharded training."""
-        # The step's own jitted function: lowering it again hits JAX's caches.
-        text = self.step._step.lower(params, state, batch).compile().as_text()
+        # Lowered as the step runs: compiling it again hits JAX's caches.
+        text = self.step.lower(params, state, batch).compile().as_text()
         wire = sum(c["sent"] for c in common.collective_traffic(text, self.mesh))
         p = self.mesh.size
         return 8.0 * wire / (2.0 * (p - 1) / p * self.num_params), wire
