@@ -87,6 +87,7 @@ import collectives as testbed  # noqa: E402  (benchmarks/collectives.py: the tes
 ROWS = {
     "float32": (None, None),
     "int8+qsgd4": ("int8", "qsgd:bits=4"),
+    "int8+qsgd4-b64": ("int8:bucket_size=64", "qsgd:bits=4,bucket_size=64"),
     "bf16": ("cast:dtype=bfloat16", "cast:dtype=bfloat16"),
     "qsgd4-grads": (None, "qsgd:bits=4"),
 }
@@ -94,6 +95,7 @@ LABELS = {
     "compute": "compute alone (one device, no collectives)",
     "float32": "sharded float32",
     "int8+qsgd4": "int8 all-gather + QSGD-4 reduce-scatter (EF)",
+    "int8+qsgd4-b64": "int8 all-gather + QSGD-4 reduce-scatter (EF), 64-value buckets",
     "bf16": "bf16 all-gather + bf16 reduce-scatter (EF)",
     "qsgd4-grads": "float32 all-gather + QSGD-4 reduce-scatter (EF)",
 }
