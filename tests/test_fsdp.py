@@ -219,7 +219,12 @@ def test_error_feedback_conserves_over_1000_steps(shape, cfg):
     assert any(float(jnp.abs(r).max()) > 0 for r in state.residuals)
 
 
-def test_resume_is_bit_identical():
+def test_orbax_resume_is_bit_identical(tmp_path):
+    """Two steps, an orbax checkpoint of the parameters and the state (every
+    device's shards and residuals), a fresh step restoring it into the
+    layout its init makes, two more steps: the run without the checkpoint's
+    bits, and the stochastic codec's keys follow the restored counter."""
+    ocp = pytest.importorskip("orbax.checkpoint")
     mesh = jax.make_mesh((8,), ("fsdp",))
     cfg = fsdp.ShardParams(
         axis="fsdp", gradients=jc.codecs.QSGD(bits=4), parameters=jc.codecs.Int8()
@@ -228,13 +233,19 @@ def test_resume_is_bit_identical():
     params, state = step.init(_params())
     for _ in range(2):
         params, state, _ = step(params, state, _batch())
-    saved = jax.device_get((params, state))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "ckpt", {"params": params, "state": state})
     for _ in range(2):
         params, state, _ = step(params, state, _batch())
-    # A fresh step, restored from host arrays laid out as init lays them out.
     again = jc.data_parallel(_mlp, optax.adam(1e-2), mesh, shard_params=cfg, donate=False)
     p, s = again.init(_params())
-    p, s = jax.tree.map(lambda a, b: jax.device_put(b, a.sharding), (p, s), saved)
+    abstract = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+        {"params": p, "state": s},
+    )
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "ckpt", abstract)
+    p, s = restored["params"], restored["state"]
     for _ in range(2):
         p, s, _ = again(p, s, _batch())
     for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves((p, s)), strict=True):
