@@ -38,6 +38,7 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -452,6 +453,50 @@ def launch(
             for kind, b in kinds.items():
                 wire.setdefault(k, {})[kind] = max(wire.get(k, {}).get(kind, 0), b)
     return results, wire
+
+
+def run_job(cmds: list[list[str]], hosts: list[str] | None, timeout: float, tmp) -> list[str]:
+    """Runs one job: process ``i`` runs ``cmds[i]`` (its own ``timeout``
+    wrapper included) in namespace ``hosts[i]``, or on loopback for None,
+    in a session of its own, its output in ``tmp``. Waits at most
+    ``timeout`` + 30 s for all of them, kills what is left of their
+    process groups, prints process 0's output and raises with the tail of
+    any that failed. Returns every process's output."""
+    procs, logs = [], []
+    for i, cmd in enumerate(cmds):
+        if hosts is not None:
+            cmd = ["ip", "netns", "exec", hosts[i], *cmd]
+        env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+        env.pop("PYTHONPATH", None)
+        log = open(f"{tmp}/{i}.log", "w+")  # closed below
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    try:
+        deadline = time.monotonic() + timeout + 30
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:  # whatever is left of this job's process groups
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    texts = []
+    for log in logs:
+        log.seek(0)
+        texts.append(log.read())
+        log.close()
+    print(texts[0], end="", flush=True)
+    for i, p in enumerate(procs):
+        if p.returncode != 0:
+            raise RuntimeError(f"process {i} failed ({p.returncode}):\n{texts[i][-3000:]}")
+    return texts
 
 
 def predict(kind_bytes: dict[str, int], procs: int, rate_bps: float) -> float:

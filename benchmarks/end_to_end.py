@@ -272,62 +272,15 @@ def launch(args: argparse.Namespace, rows: list[str], hosts: list[str] | None) -
     under ``timeout``; returns each row's per-process results."""
     port = random.randrange(20000, 60000)
     with tempfile.TemporaryDirectory(prefix="jc-e2e-") as tmp:
-        procs, logs = [], []
+        cmds = []
         for i in range(args.procs):
-            cmd = [
-                "timeout",
-                "-k",
-                "10",
-                str(args.timeout),
-                sys.executable,
-                __file__,
-                "--worker",
-                "--port",
-                str(port),
-                "--procs",
-                str(args.procs),
-                "--pid",
-                str(i),
-                "--out",
-                f"{tmp}/{i}.json",
-                "--rows",
-                *rows,
-                *worker_flags(args),
-            ]
+            cmd = ["timeout", "-k", "10", str(args.timeout), sys.executable, __file__]
+            cmd += ["--worker", "--port", str(port), "--procs", str(args.procs), "--pid", str(i)]
+            cmd += ["--out", f"{tmp}/{i}.json", "--rows", *rows, *worker_flags(args)]
             if hosts is None:
                 cmd += ["--coordinator", "127.0.0.1"]
-            else:
-                cmd = ["ip", "netns", "exec", hosts[i], *cmd]
-            env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-            env.pop("PYTHONPATH", None)
-            log = open(f"{tmp}/{i}.log", "w+")  # closed below
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            )
-        try:
-            deadline = time.monotonic() + args.timeout + 30
-            for p in procs:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:  # whatever is left of this job's process groups
-                if p.poll() is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        texts = []
-        for log in logs:
-            log.seek(0)
-            texts.append(log.read())
-            log.close()
-        print(texts[0], end="", flush=True)
-        for i, p in enumerate(procs):
-            if p.returncode != 0:
-                raise RuntimeError(f"process {i} failed ({p.returncode}):\n{texts[i][-3000:]}")
+            cmds.append(cmd)
+        testbed.run_job(cmds, hosts, args.timeout, tmp)
         outs = [json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text()) for i in range(args.procs)]
     return {row: [o[row] for o in outs] for row in rows}
 
