@@ -207,6 +207,26 @@ def bed(procs: int, rate: str, tag: str = ""):
 # ---------------------------------------------------------------------------
 # One process of the job
 # ---------------------------------------------------------------------------
+@contextlib.contextmanager
+def free_bed(tag: str, procs: int, rate: str, wait: float):
+    """The test bed of namespaces tagged ``tag`` (:func:`bed`), once no
+    other run holds them: a script's runs wait for each other's beds, up to
+    ``wait`` seconds."""
+    names = {BRIDGE_NS + tag, *(f"jcns{tag}{i}" for i in range(procs))}
+    deadline = time.monotonic() + wait
+    while True:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        busy = names & {line.split()[0] for line in listed.splitlines() if line.strip()}
+        if not busy:
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test bed's namespaces {sorted(busy)} stay in use")
+        print(f"waiting for namespaces {sorted(busy)} (another run's test bed)", flush=True)
+        time.sleep(10)
+    with bed(procs, rate, tag=tag) as hosts:
+        yield hosts
+
+
 def join(args: argparse.Namespace, axis: str):
     """Joins this process to the job (jax.distributed over the test bed's
     bridge) and returns the one-axis mesh of its devices."""

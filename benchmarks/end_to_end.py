@@ -47,14 +47,12 @@ in docs/end_to_end.md and docs/end_to_end_<link>.png.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import pathlib
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -314,25 +312,6 @@ def worker_flags(args: argparse.Namespace) -> list[str]:
 TAG = "e2e"  # this script's own test bed, beside benchmarks/collectives.py's
 
 
-@contextlib.contextmanager
-def free_bed(procs: int, rate: str, wait: float):
-    """The test bed (namespaces tagged ``TAG``), once no other run of this
-    script holds them."""
-    names = {testbed.BRIDGE_NS + TAG, *(f"jcns{TAG}{i}" for i in range(procs))}
-    deadline = time.monotonic() + wait
-    while True:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        busy = names & {line.split()[0] for line in listed.splitlines() if line.strip()}
-        if not busy:
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the test bed's namespaces {sorted(busy)} stay in use")
-        print(f"waiting for namespaces {sorted(busy)} (another run's test bed)", flush=True)
-        time.sleep(10)
-    with testbed.bed(procs, rate, tag=TAG) as hosts:
-        yield hosts
-
-
 # ---------------------------------------------------------------------------
 # Summary
 # ---------------------------------------------------------------------------
@@ -580,7 +559,7 @@ def main() -> int:
                 if base and row != "float32"
                 else None
             )
-            with free_bed(args.procs, rate, wait=args.timeout) as hosts:
+            with testbed.free_bed(TAG, args.procs, rate, wait=args.timeout) as hosts:
                 raw.setdefault(rate, {}).update(launch(args, [row], hosts))
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(data, indent=1))  # after every row: a rerun can merge

@@ -63,7 +63,6 @@ benchmarks/fsdp_links.py -->`` (or between the markers that replace it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
@@ -72,10 +71,8 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -342,29 +339,10 @@ def tc_stats(hosts: list[str]) -> list[dict]:
     return out
 
 
-@contextlib.contextmanager
-def free_bed(procs: int, rate: str, wait: float):
-    """The test bed (namespaces tagged ``TAG``), once no other run of this
-    script holds them."""
-    names = {testbed.BRIDGE_NS + TAG, *(f"jcns{TAG}{i}" for i in range(procs))}
-    deadline = time.monotonic() + wait
-    while True:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        busy = names & {line.split()[0] for line in listed.splitlines() if line.strip()}
-        if not busy:
-            break
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the test bed's namespaces {sorted(busy)} stay in use")
-        print(f"waiting for namespaces {sorted(busy)} (another run's test bed)", flush=True)
-        time.sleep(10)
-    with testbed.bed(procs, rate, tag=TAG) as hosts:
-        yield hosts
-
-
 def run_shaped(args: argparse.Namespace, rate: str, row: str) -> dict:
     """One row on a fresh bed at ``rate``: the processes' results and the
     tc counters of every host's link before and after."""
-    with free_bed(args.procs, rate, wait=args.timeout) as hosts:
+    with testbed.free_bed(TAG, args.procs, rate, wait=args.timeout) as hosts:
         before = tc_stats(hosts)
         unshaped = [h for h in before if not h["shaped"]]
         if unshaped:
