@@ -88,6 +88,11 @@ class ShardParams:
         the loss is called.
       seed: the seed of the stochastic codecs' keys (folded with the step,
         the leaf, the layer and the device).
+      shard_dim: ``shard_dim(path, leaf) -> int | None``: the dimension
+        to shard a leaf along (None: replicated, its gradient averaged
+        exactly), for a leaf whose dimension 0 does not divide over the
+        devices (the per-head parameters of an attention layer). None: 0,
+        and 1 for ``layers`` leaves (whose dimension 0 is the layer's).
       min_compress_size: leaves of fewer values (per layer, for ``layers``
         leaves) take exact collectives whatever the codecs: a codec pads
         each device's row to a whole bucket, so a LayerNorm scale or a bias
@@ -103,6 +108,7 @@ class ShardParams:
     replicate_over: Hashable | None = None
     layers: Callable[[tuple, Any], bool] | None = None
     seed: int = 0
+    shard_dim: Callable[[tuple, Any], int | None] | None = None
     min_compress_size: int = 0
 
     def __post_init__(self):
@@ -321,51 +327,64 @@ class ShardedDataParallel:
 
     # -- layout --------------------------------------------------------------
 
-    def _plan(self, params) -> list:
-        """Per leaf, its sharded dimension (None: replicated), checked."""
+    def _plan(self, params) -> tuple[list, list]:
+        """Per leaf, its sharded dimension (None: replicated), checked, and
+        whether it is a ``layers`` leaf."""
         cfg, k = self.config, self._shard_size
-        dims = []
+        dims, layers = [], []
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-            layer = cfg.layers is not None and cfg.layers(path, x)
+            layer = bool(cfg.layers is not None and cfg.layers(path, x))
+            layers.append(layer)
             dim = 1 if layer else 0
+            if cfg.shard_dim is not None:
+                dim = cfg.shard_dim(path, x)
             name = jax.tree_util.keystr(path)
-            if np.ndim(x) <= dim:
-                if layer:
-                    raise ValueError(
-                        f"jc.data_parallel: {name} is a layers leaf of shape {np.shape(x)}; "
-                        "a stacked leaf has a layer axis and at least one more"
-                    )
-                dims.append(None)  # a scalar: replicated, its gradient averaged exactly
+            if layer and (dim is None or dim < 1 or dim >= np.ndim(x)):
+                raise ValueError(
+                    f"jc.data_parallel: {name} is a layers leaf of shape {np.shape(x)}; a "
+                    "stacked leaf has a layer axis and at least one more, and is sharded "
+                    f"along one of the others (shard_dim gave {dim!r})"
+                )
+            if dim is not None and not 0 <= dim < max(np.ndim(x), 1):
+                raise ValueError(
+                    f"jc.data_parallel: shard_dim gave {dim!r} for {name} of shape "
+                    f"{np.shape(x)}: a dimension of the leaf, or None to replicate it"
+                )
+            if dim is None or np.ndim(x) == 0:
+                dims.append(None)  # replicated, its gradient averaged exactly
                 continue
             if x.shape[dim] % k:
                 raise ValueError(
                     f"jc.data_parallel: parameter {name} of shape {tuple(x.shape)} cannot be "
                     f"sharded: its dimension {dim} ({x.shape[dim]}) is not a multiple of the "
                     f"{k} devices of {self.config.axis!r}. Pad that dimension to a multiple "
-                    f"of {k} (a vocabulary, say), or use a mesh whose sharding axes divide it"
+                    f"of {k} (a vocabulary, say), shard it along another dimension "
+                    "(ShardParams.shard_dim), or use a mesh whose sharding axes divide it"
                 )
             dims.append(dim)
-        return dims
+        return dims, layers
 
     def _param_spec(self, x, dim):
         if dim is None:
             return P()
         return P(*([None] * dim), self._shard_spec)
 
-    def _compressed(self, shape, dim) -> bool:
-        """Whether a sharded leaf goes through the codecs: values per gather
-        (per layer for a ``layers`` leaf) at least ``min_compress_size``."""
+    def _compressed(self, i: int) -> bool:
+        """Whether sharded leaf ``i`` goes through the codecs: values per
+        gather (per layer for a ``layers`` leaf) at least
+        ``min_compress_size``."""
+        shape = self._shapes[i]
         n = int(np.prod(shape))
-        return (n // shape[0] if dim == 1 else n) >= self.config.min_compress_size
+        return (n // shape[0] if self._layers[i] else n) >= self.config.min_compress_size
 
-    def _residual_shape(self, shape, dim) -> tuple | None:
-        """What one device compresses of a leaf (its residual's shape)."""
-        cfg = self.config
+    def _residual_shape(self, i: int) -> tuple | None:
+        """What one device compresses of leaf ``i`` (its residual's shape)."""
+        cfg, dim = self.config, self._dims[i]
         if dim is None or cfg.gradients is None or not cfg.error_feedback:
             return None
-        if not self._compressed(shape, dim):
+        if not self._compressed(i):
             return None
-        shape = list(shape)
+        shape = list(self._shapes[i])
         if cfg.replicate_over is not None:
             shape[dim] //= self._shard_size  # the shard
         elif len(self._shard_axes) == 2:
@@ -387,14 +406,14 @@ class ShardedDataParallel:
                 "NNX model pass nnx.state(model, nnx.Param) and rebuild it in the loss"
             )
         leaves, treedef = jax.tree.flatten(params)
-        self._dims = self._plan(params)
+        self._dims, self._layers = self._plan(params)
+        self._shapes = [tuple(x.shape) for x in leaves]
         specs = [self._param_spec(x, d) for x, d in zip(leaves, self._dims, strict=True)]
         self._treedef = treedef
         self._param_specs = treedef.unflatten(specs)
         shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
-        self._shapes = [tuple(x.shape) for x in leaves]
-        shapes = [self._residual_shape(x.shape, d) for x, d in zip(leaves, self._dims, strict=True)]
+        shapes = [self._residual_shape(i) for i in range(len(leaves))]
         self._residual_shapes = shapes
         per_device = P(self._all)
 
@@ -453,11 +472,12 @@ class ShardedDataParallel:
             return jax.sharding.reshard(x, self.batch_sharding)
         return lax.with_sharding_constraint(x, self.batch_sharding)
 
-    def _spec_of(self, dim, shape) -> _Spec:
-        cfg = self.config
-        on = self._compressed(shape, dim)
+    def _spec_of(self, i: int) -> _Spec:
+        """The static spec of sharded leaf ``i``'s gathers."""
+        cfg, dim = self.config, self._dims[i]
+        on = self._compressed(i)
         return _Spec(
-            dim=dim - len(shape),
+            dim=dim - len(self._shapes[i]),
             shard_axes=self._shard_axes,
             replicate=cfg.replicate_over,
             gradients=cfg.gradients if on else None,
@@ -474,11 +494,11 @@ class ShardedDataParallel:
         # leaf_ndim[j]: the dimensions of one gather's residual in slot j
         # (a layers leaf's residual has a leading layer axis besides).
         slot, n, leaf_ndim = [], 0, []
-        for s, d in zip(self._residual_shapes, dims, strict=True):
+        for s, layer in zip(self._residual_shapes, self._layers, strict=True):
             slot.append(None if s is None else n)
             if s is not None:
                 n += 1
-                leaf_ndim.append(len(s) - (d == 1))
+                leaf_ndim.append(len(s) - layer)
 
         def local(params, state, batch, *key):
             opt = jax.tree.map(lambda a: a[0], state.opt_state)
@@ -498,9 +518,9 @@ class ShardedDataParallel:
                     if dim is None:
                         built.append(x)
                         continue
-                    spec = self._spec_of(dim, self._shapes[i])  # the whole leaf's shape
+                    spec = self._spec_of(i)
                     k = jax.random.fold_in(base, i)
-                    if dim == 1:  # a layers leaf: one key per layer, gathered by the loss
+                    if self._layers[i]:  # one key per layer, gathered by the loss
                         ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(
                             jnp.arange(x.shape[0])
                         )

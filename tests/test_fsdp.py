@@ -461,3 +461,31 @@ def test_small_leaves_take_exact_collectives():
     assert sorted(exact) == ["32", "32,8"]  # b1 and w2, gathered whole in float32
     params, state, loss = step(params, state, _batch())
     assert np.isfinite(float(loss))
+
+
+def test_shard_dim_picks_the_dimension_to_shard():
+    """A per-head leaf (4 heads, 8 devices) sharded along its dimension 1,
+    a scalar-like leaf replicated: the step is full-batch SGD still."""
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    heads = {"q": jax.random.normal(jax.random.key(4), (4, 16)) * 0.3, "s": jnp.ones((3,))}
+
+    def loss(p, batch):
+        x, y = batch
+        h = jnp.tanh(x @ p["q"].reshape(16, 4).T.reshape(4, 16).T) * p["s"].sum()
+        return jnp.mean((h[:, :4] - y[:, :4]) ** 2)
+
+    def dims(path, leaf):
+        return {"q": 1, "s": None}[path[0].key]
+
+    cfg = fsdp.ShardParams(axis="fsdp", shard_dim=dims)
+    step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg, donate=False)
+    params, state = step.init(heads)
+    assert params["q"].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 2)
+    assert params["s"].sharding.is_fully_replicated
+    for _ in range(2):
+        params, state, _ = step(params, state, _batch())
+    assert _max_diff(params, _full_batch_sgd(loss, heads, _batch(), 2)) < 1e-6
+    with pytest.raises(ValueError, match="shard_dim gave 2"):
+        jc.data_parallel(
+            loss, optax.sgd(LR), mesh, shard_params=fsdp.ShardParams(shard_dim=lambda p, x: 2)
+        ).init(heads)
