@@ -1,5 +1,6 @@
 """The README's usage example runs as written."""
 
+import math
 import pathlib
 import re
 
@@ -36,6 +37,17 @@ def test_training_doc_example_runs():
     stats = scope["stats"]
     assert int(stats["step"]) == 20 and float(stats["compression_ratio"]) > 4
     assert float(scope["loss"]) < 0.2
+
+
+def test_fsdp_doc_examples_run():
+    doc = README.parent / "docs" / "fsdp.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    scope: dict = {}
+    for block in blocks:  # one session: later blocks use earlier names
+        exec(compile(block, str(doc), "exec"), scope)
+    assert len(blocks) == 3
+    assert math.isfinite(float(scope["loss"]))  # the stacked model's step
+    assert scope["step"].num_devices == 8  # the HSDP step, over (2, 4)
 
 
 def test_ci_runs_the_readme_test_command():
