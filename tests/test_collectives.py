@@ -94,27 +94,33 @@ def test_fused_decodes_match_the_kernels(mesh, alg, monkeypatch):
         codecs = [c for c in CODECS if c.elementwise_decode]
     x = jax.random.normal(jax.random.key(3), (N_DEV, 1000))
 
-    def run(c):
-        m = jcc.state_size(c, 1000, jnp.float32, N_DEV, alg)
+    def run():
+        """Every codec's all-reduce in one program (one compile)."""
 
         def f(x, k):
-            r = jcc.pmean(x[0], "data", c, key=k, algorithm=alg, state=jnp.full((m,), 0.25))
-            return r.value[None], r.sent[None], r.state[None]
+            out = []
+            for c in codecs:
+                m = jcc.state_size(c, 1000, jnp.float32, N_DEV, alg)
+                r = jcc.pmean(x[0], "data", c, key=k, algorithm=alg, state=jnp.full((m,), 0.25))
+                out.append((r.value[None], r.sent[None], r.state[None]))
+            return out
 
         spec = P("data")
-        g = jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=(spec, spec, spec))
-        return [np.asarray(a) for a in jax.jit(g)(x, KEY)]
+        g = jax.shard_map(f, mesh=mesh, in_specs=(spec, P()), out_specs=spec)
+        return [[np.asarray(a) for a in r] for r in jax.jit(g)(x, KEY)]
 
     from jaxcomp.collectives import _decode
 
-    for c in codecs:
-        monkeypatch.setattr(_decode, "fused_backend", lambda codec: "xla")
-        fused = run(c)
-        monkeypatch.setattr(_decode, "fused_backend", lambda codec: "auto")
-        kernels = run(c)
-        monkeypatch.undo()
-        for a, b in zip(fused, kernels, strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(initial=1.0))
+    monkeypatch.setattr(_decode, "fused_backend", lambda codec: "xla")
+    fused = run()
+    monkeypatch.setattr(_decode, "fused_backend", lambda codec: "auto")
+    kernels = run()
+    monkeypatch.undo()
+    for c, f_out, k_out in zip(codecs, fused, kernels, strict=True):
+        for a, b in zip(f_out, k_out, strict=True):
+            np.testing.assert_allclose(
+                a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max(initial=1.0), err_msg=repr(c)
+            )
 
 
 def test_cpu_collectives_decode_with_the_kernels(mesh):

@@ -55,7 +55,8 @@ def test_auto_lowers_the_kernels_the_rule_lists(codec, cuda_built):
     x = jnp.linspace(-1.0, 1.0, 4096, dtype=jnp.float32)
     r = x * 0.25
 
-    payload = codec.encode(x, KEY, backend="xla")
+    # the payload's shapes and dtypes: the decode is only lowered
+    payload = jax.eval_shape(lambda x, key: codec.encode(x, key, backend="xla"), x, KEY)
 
     def encode(backend):
         return _targets(

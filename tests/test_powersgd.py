@@ -4,6 +4,7 @@ start written here, conservation, the warm-up, bf16 gradients, zero and
 rank-deficient gradients, the bytes on the wire in the compiled HLO, a
 codec for the other leaves, the hierarchical mesh, pmap and orbax."""
 
+import functools
 import re
 
 import jax
@@ -28,9 +29,19 @@ RANK = 2
 def mesh_of(n=N_DEV, shape=None, names=(AXIS,)):
     if len(jax.devices()) < n:
         pytest.skip(f"needs {n} devices")
-    shape = shape or (n,)
+    return _mesh(shape or (n,), names)
+
+
+@functools.cache
+def _mesh(shape, names):
+    # one object per layout, so that run() reuses its programs across tests
     auto = (jax.sharding.AxisType.Auto,) * len(names)
     return jax.make_mesh(shape, names, axis_types=auto)
+
+
+# powersgd(AXIS, RANK), shared by the tests that need no other options, so
+# that run() compiles its 6-step program once
+TX = jc.optax.powersgd(AXIS, RANK)
 
 
 def params0(dtype=jnp.float32):
@@ -49,6 +60,25 @@ def grads_at(t, d, dtype=jnp.float32):
         noise = jax.random.normal(jax.random.fold_in(kn, d), (n, m))
         out[k] = (common + 0.5 * noise).reshape(s).astype(dtype)
     return out
+
+
+GRAD_STEPS = 40  # the longest run below
+
+
+@functools.cache
+def _grads_np():
+    def at(t):
+        return jax.vmap(lambda d: grads_at(t, d))(jnp.arange(N_DEV))
+
+    g = jax.jit(jax.vmap(at))(jnp.arange(GRAD_STEPS))
+    return {k: np.asarray(v, np.float64) for k, v in g.items()}
+
+
+def grads_np(steps):
+    """Every device's gradients of steps 0..steps-1, from one compiled call:
+    {leaf: float64 [steps, devices, ...]} (the numpy references' input)."""
+    assert steps <= GRAD_STEPS
+    return {k: v[:steps] for k, v in _grads_np().items()}
 
 
 _COMPILED: dict = {}
@@ -92,13 +122,11 @@ def reference(steps, q0, warmup=0):
     q = {k: np.asarray(v, np.float64) for k, v in q0.items()}
     e = {k: np.zeros((N_DEV, *s)) for k, s in MATRICES.items()}
     updates = []
+    g = grads_np(steps)
     for t in range(steps):
-        gs = [
-            jax.tree.map(lambda a: np.asarray(a, np.float64), grads_at(t, d)) for d in range(N_DEV)
-        ]
-        out = {k: np.mean([g[k] for g in gs], axis=0) for k in SHAPES if k not in MATRICES}
+        out = {k: g[k][t].mean(0) for k in SHAPES if k not in MATRICES}
         for k, (n, m) in MATRICES.items():
-            ms = np.stack([g[k].reshape(n, m) for g in gs]) + e[k]
+            ms = g[k][t].reshape(N_DEV, n, m) + e[k]
             if t < warmup:
                 approx, e[k] = ms.mean(0), np.zeros_like(ms)
             else:
@@ -112,8 +140,7 @@ def reference(steps, q0, warmup=0):
 
 
 def test_matches_the_paper_algorithm_in_numpy():
-    mesh = mesh_of()
-    tx = jc.optax.powersgd(AXIS, RANK)
+    mesh, tx = mesh_of(), TX
     state0 = jc.optax.init(tx, params0(), mesh, AXIS)
     q0 = {k: state0.qs[k] for k in MATRICES}
     assert state0.qs["b"] == optax.MaskedNode() and state0.qs["t"] == optax.MaskedNode()
@@ -140,20 +167,22 @@ def test_conserves_the_gradient_sum_and_warms_up_exactly():
     mesh, warm, steps = mesh_of(), 2, 40
     tx = jc.optax.powersgd(AXIS, RANK, warmup_steps=warm)
     state0 = jc.optax.init(tx, params0(), mesh, AXIS)
-    state, got = run(mesh, tx, steps, state=state0)
-    total = {k: np.zeros(s) for k, s in SHAPES.items()}
-    for t in range(steps):
-        for d in range(N_DEV):
-            for k, v in grads_at(t, d).items():
-                total[k] += np.asarray(v, np.float64)
+    # the 40 steps as 20 calls of the warm-up's 2-step program (one compile)
+    s2, first = run(mesh, tx, warm, state=state0)
+    state, got = s2, [first]
+    for t0 in range(warm, steps, warm):
+        state, u = run(mesh, tx, warm, state=state, t0=t0)
+        got.append(u)
+    got = {k: np.concatenate([np.asarray(u[k], np.float64) for u in got]) for k in SHAPES}
+    assert got["w"].shape[0] == steps
+    total = {k: v.sum(axis=(0, 1)) for k, v in grads_np(steps).items()}
     for k in SHAPES:
-        applied = N_DEV * np.asarray(got[k], np.float64).sum(0)
+        applied = N_DEV * got[k].sum(0)
         res = np.asarray(state.residuals[k], np.float64).sum(0) if k in MATRICES else 0.0
         gap = np.linalg.norm(applied + res - total[k]) / np.linalg.norm(total[k])
         assert gap < 1e-5, (k, gap)
     # the warm-up: exact means, zero residuals, the initial Q
-    s2, first = run(mesh, tx, warm, state=state0)
-    mean0 = {k: np.mean([np.asarray(grads_at(0, d)[k]) for d in range(N_DEV)], 0) for k in SHAPES}
+    mean0 = {k: v[0].mean(0) for k, v in grads_np(1).items()}
     for k in SHAPES:
         np.testing.assert_allclose(np.asarray(first[k][0]), mean0[k], rtol=1e-6, atol=1e-6)
     for k in MATRICES:
@@ -205,16 +234,16 @@ def test_bf16_gradients_zero_and_rank_deficient_matrices():
 
     u = jnp.arange(40.0) / 40
     v = jnp.cos(jnp.arange(30.0))
+    state0 = jc.optax.init(tx, params0(), mesh, AXIS)
+    specs = jc.optax.state_specs(state0, AXIS)
+
+    def step(state, g):
+        grads = {**params0(), "w": g}
+        return tx.update(grads, state, params0())
+
+    f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, P()), out_specs=(P(), specs)))
     for g in (jnp.zeros((40, 30)), jnp.outer(u, v)):
-        state = jc.optax.init(tx, params0(), mesh, AXIS)
-        specs = jc.optax.state_specs(state, AXIS)
-
-        def step(state, g=g):
-            grads = {**params0(), "w": g}
-            return tx.update(grads, state, params0())
-
-        f = jax.shard_map(step, mesh=mesh, in_specs=(specs,), out_specs=(P(), specs))
-        upd, _ = jax.jit(f)(state)
+        upd, _ = f(state0, g)
         np.testing.assert_allclose(np.asarray(upd["w"]), np.asarray(g), atol=1e-5)
 
 
@@ -230,20 +259,20 @@ def test_rest_codec_state_specs_and_orbax(tmp_path):
     assert specs[0].residuals["w"] == P(AXIS) and specs[0].qs["w"] == P()
     assert isinstance(state0[0].rest, jc.optax.CompressState)
     assert specs[0].rest.residuals == [P(AXIS), P(AXIS)]  # "b" and "t"
-    whole, ups = run(mesh, tx, 4, state=state0)
-    # the int8 leaves are not the exact mean
-    mean0 = np.mean([np.asarray(grads_at(0, d)["b"]) for d in range(N_DEV)], 0)
-    assert not np.array_equal(-np.asarray(ups["b"][0]) / 0.1, mean0)
+    # one 2-step program (one compile): steps 0-1, then 2-3 from the state
+    # in memory and from its checkpoint
     half, first = run(mesh, tx, 2, state=state0)
+    # the int8 leaves are not the exact mean
+    mean0 = np.asarray(grads_np(1)["b"][0].mean(0), np.float32)
+    assert not np.array_equal(-np.asarray(first["b"][0]) / 0.1, mean0)
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "c", half)
     ckpt.wait_until_finished()
+    whole, second = run(mesh, tx, 2, state=half, t0=2)
     restored = ckpt.restore(tmp_path / "c", jax.tree.map(ocp.utils.to_shape_dtype_struct, half))
     rest_state, rest = run(mesh, tx, 2, state=restored, t0=2)
     for k in SHAPES:
-        np.testing.assert_array_equal(
-            np.concatenate([np.asarray(first[k]), np.asarray(rest[k])]), np.asarray(ups[k])
-        )
+        np.testing.assert_array_equal(np.asarray(rest[k]), np.asarray(second[k]))
     for a, b in zip(jax.tree.leaves(rest_state), jax.tree.leaves(whole), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -259,13 +288,12 @@ def test_hierarchical_mesh_and_pmap():
     res = np.asarray(state.residuals["w"])
     np.testing.assert_array_equal(res[0], res[3])  # one fast group
     assert not np.array_equal(res[0], res[4])
-    total = sum(np.asarray(grads_at(t, d)["w"], np.float64) for t in range(6) for d in range(8))
+    total = grads_np(6)["w"].sum(axis=(0, 1))
     applied = 8 * np.asarray(got["w"], np.float64).sum(0) + res.sum(0)
     assert np.linalg.norm(applied - total) / np.linalg.norm(total) < 1e-5
 
-    flat = mesh_of()
-    tx = jc.optax.powersgd(AXIS, RANK)
-    _, want = run(flat, tx, 3)
+    flat, tx = mesh_of(), TX
+    _, want = run(flat, tx, 6)  # the first 3 steps of the paper test's program
     state = jax.pmap(tx.init, axis_name=AXIS)(
         jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params0())
     )
