@@ -3,6 +3,7 @@ simulated devices: plain Adam during the warm-up, Adam with the variance
 frozen after it, conservation of the momentum's error feedback, resume across
 the freeze boundary, and the state's layout."""
 
+import functools
 import warnings
 
 import jax
@@ -51,23 +52,38 @@ def decaying_grads_at(t, d):
 def run(mesh, tx, steps, state=None, t0=0, grads=grads_at):
     """``steps`` updates of ``tx`` on every device of ``mesh`` in one scan:
     returns (state, updates stacked over steps, mu before each step)."""
-    if state is None:
-        state = jc.optax.init(tx, params0(), mesh, AXIS)
-    specs = jc.optax.state_specs(state, AXIS)
+    return run_all(mesh, [(tx, steps, state, t0)], grads)[0]
 
-    def body(state):
+
+def run_all(mesh, jobs, grads=grads_at):
+    """Several runs, each ``(tx, steps, state, t0)`` as in ``run``, in one
+    compiled program (each its own scan): one compile where a test compares
+    runs; returns ``run``'s triple for each."""
+    states, specs = [], []
+    for tx, _, state, _ in jobs:
+        if state is None:
+            state = jc.optax.init(tx, params0(), mesh, AXIS)
+        states.append(state)
+        specs.append(jc.optax.state_specs(state, AXIS))
+
+    def body(states):
         d = lax.axis_index(AXIS)
+        out = []
+        for (tx, steps, _, t0), state in zip(jobs, states, strict=True):
 
-        def one(state, t):
-            mu = _adam_state(state).mu
-            u, state = tx.update(grads(t, d), state, params0())
-            return state, (u, mu)
+            def one(state, t, tx=tx):
+                mu = _adam_state(state).mu
+                u, state = tx.update(grads(t, d), state, params0())
+                return state, (u, mu)
 
-        return lax.scan(one, state, t0 + jnp.arange(steps))
+            out.append(lax.scan(one, state, t0 + jnp.arange(steps)))
+        return out
 
-    f = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()), check_vma=False)
-    state, (updates, mus) = jax.jit(f, compiler_options=long_scan_options(steps))(state)
-    return state, updates, mus
+    outs = [(s, P()) for s in specs]
+    f = jax.shard_map(body, mesh=mesh, in_specs=(specs,), out_specs=outs, check_vma=False)
+    longest = max(steps for _, steps, _, _ in jobs)
+    res = jax.jit(f, compiler_options=long_scan_options(longest))(states)
+    return [(state, updates, mus) for state, (updates, mus) in res]
 
 
 def _adam_state(state) -> jc.optax.OneBitAdamState:
@@ -79,9 +95,23 @@ def _adam_state(state) -> jc.optax.OneBitAdamState:
     return s
 
 
-def mean_grads(t, grads=grads_at):
-    gs = [grads(t, d) for d in range(N_DEV)]
-    return {k: np.mean([np.asarray(g[k], np.float64) for g in gs], axis=0) for k in SHAPES}
+@functools.cache
+def _all_grads(grads, steps):
+    """Every device's gradients for steps 0..steps-1, stacked (steps, device,
+    ...), in one jitted call."""
+    return jax.jit(
+        lambda: jax.vmap(lambda t: jax.vmap(lambda d: grads(t, d))(jnp.arange(N_DEV)))(
+            jnp.arange(steps)
+        )
+    )()
+
+
+def mean_grads(steps, grads=grads_at):
+    """The devices' mean gradient at each of the first ``steps`` steps, in
+    float64."""
+    gs = _all_grads(grads, steps)
+    means = {k: np.asarray(gs[k], np.float64).mean(axis=1) for k in SHAPES}
+    return [{k: means[k][t] for k in SHAPES} for t in range(steps)]
 
 
 def assert_frozen_adam(got, means, freeze):
@@ -135,7 +165,7 @@ def test_identity_codec_is_adam_with_the_variance_frozen(send):
     mesh, warm, steps = mesh_of(N_DEV), 4, 12
     tx = jc.optax.onebit_adam(LR, AXIS, jc.codecs.Identity(), warmup_steps=warm, send=send)
     _, got, _ = run(mesh, tx, steps)
-    assert_frozen_adam(got, [mean_grads(t) for t in range(steps)], warm)
+    assert_frozen_adam(got, mean_grads(steps), warm)
 
 
 @pytest.mark.parametrize(
@@ -147,12 +177,9 @@ def test_send_auto_follows_the_codec_rate(codec, same_as):
     momentum's new part, a dense one the whole momentum."""
     mesh = mesh_of(N_DEV)
 
-    def updates(send):
-        tx = jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=2, send=send)
-        return run(mesh, tx, 5)[1]
-
-    auto, same = updates("auto"), updates(same_as)
-    other = updates("gradient" if same_as == "momentum" else "momentum")
+    sends = ["auto", same_as, "gradient" if same_as == "momentum" else "momentum"]
+    txs = [jc.optax.onebit_adam(LR, AXIS, codec, warmup_steps=2, send=send) for send in sends]
+    auto, same, other = (u for _, u, _ in run_all(mesh, [(tx, 5, None, 0) for tx in txs]))
     for k in ("a", "c"):
         np.testing.assert_array_equal(np.asarray(auto[k]), np.asarray(same[k]))
     assert not np.array_equal(np.asarray(auto["a"][2:]), np.asarray(other["a"][2:]))
@@ -209,8 +236,7 @@ def test_orbax_resume_across_the_freeze_boundary_is_bit_identical(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     mesh, warm = mesh_of(N_DEV), 3
     tx = jc.optax.onebit_adam(LR, AXIS, "qsgd:bits=4", warmup_steps=warm, weight_decay=1e-4)
-    whole_state, whole, _ = run(mesh, tx, 8)
-    state, first, _ = run(mesh, tx, 2)
+    (whole_state, whole, _), (state, first, _) = run_all(mesh, [(tx, 8, None, 0), (tx, 2, None, 0)])
     ckpt = ocp.StandardCheckpointer()
     ckpt.save(tmp_path / "ckpt", state)
     ckpt.wait_until_finished()
@@ -266,7 +292,7 @@ def test_the_freeze_rule_freezes_where_the_variance_settles():
         freeze_interval=every,
     )
     state, got, _ = run(mesh, tx, steps, grads=decaying_grads_at)
-    means = [mean_grads(t, decaying_grads_at) for t in range(steps)]
+    means = mean_grads(steps, decaying_grads_at)
     nu = {k: np.zeros(s) for k, s in SHAPES.items()}
     sums, want_freeze = {}, None
     for t in range(steps):
