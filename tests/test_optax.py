@@ -691,7 +691,7 @@ def test_a_step_enters_its_collectives_in_one_order(
     collectives comes after, or before, each other collective."""
     m, axes = (mesh2d, HIER) if hierarchical else (mesh, AXIS)
     tx = make_tx(codec, axes, algorithm=algorithm, warmup_steps=warmup_steps)
-    state = jc.optax.init(tx, params0(), m, axes)
+    state = jax.eval_shape(lambda p: jc.optax.init(tx, p, m, axes), params0())  # only compiled
     specs = jc.optax.state_specs(state, axes)
 
     def step(state):
@@ -723,8 +723,15 @@ def exact_mean(grads):
     return jax.tree.map(lambda a: np.asarray(a, np.float64).mean(0).astype(np.float32), grads)
 
 
+@jax.jit
+def _device_grads(t):
+    return jax.vmap(lambda d: grads_at(t, d))(jnp.arange(N_DEV))
+
+
 def device_grads(seed=0):
-    return jax.vmap(lambda d: grads_at(seed, d))(jnp.arange(N_DEV))
+    """Every device's gradients at step ``seed`` (a leading device axis),
+    from one jitted program compiled once for all steps."""
+    return _device_grads(seed)
 
 
 @pytest.mark.parametrize("form", ["callable", "pytree"])
