@@ -261,8 +261,12 @@ def test_pmap_skip_mode_qsgd_threelc_topk():
         "bias": None,
     }
     tx = optax.chain(jc.optax.compress_gradients(policy, AXIS, on_nonfinite="skip"), optax.sgd(0.1))
-    params = {n: jnp.full(BIAS if n == "bias" else SIZE, 0.5) for n in policy}
-    repl = jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params)
+    # Typed (float32, not weak) and laid out as the step's outputs are: the
+    # step compiles once.
+    params = {n: jnp.full(BIAS if n == "bias" else SIZE, 0.5, jnp.float32) for n in policy}
+    repl = jax.pmap(lambda p: p, axis_name=AXIS)(
+        jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params)
+    )
     state0 = jax.pmap(tx.init, axis_name=AXIS)(repl)
 
     def train(p, s, g):
