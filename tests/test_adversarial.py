@@ -143,10 +143,11 @@ def _topk_cases(arrays, codec, n) -> dict[str, dict[str, np.ndarray]]:
     return {k: v for k, v in cases.items() if v}
 
 
-def adversarial_payloads(codec, n: int, dtype: str, seed: int = 0):
-    """``{case: payload}`` of ``codec`` for a tensor of ``n`` elements."""
-    x = gradient_like(n, seed=seed, dtype=dtype)
-    p = _encode(x, KEY, codec)
+def adversarial_payloads(codec, n: int, dtype: str, seed: int = 0, encoded=None):
+    """``{case: payload}`` of ``codec`` for a tensor of ``n`` elements
+    (``encoded``: its encoding of ``gradient_like(n, seed, dtype)``, where
+    the caller has it already)."""
+    p = encoded or _encode(gradient_like(n, seed=seed, dtype=dtype), KEY, codec)
     arrays = {k: np.asarray(v) for k, v in p.arrays.items()}
     rng = np.random.default_rng(seed)
     cases = _generic_cases(arrays, rng)
@@ -173,14 +174,66 @@ def _decode(payload, backend):
     return payload.codec.decode(payload, backend=backend)
 
 
+@functools.partial(jax.jit, static_argnames="codec")
+def _encode_all(xs, key, codec):
+    """Several tensors through one program (one compilation)."""
+    return [codec.encode(x, key, backend="xla") for x in xs]
+
+
+@jax.jit
+def _decode_stacks(stacks):
+    """Kernel and twin over stacks of payloads (one per stack, vmapped)."""
+
+    def both(p):
+        return p.codec.decode(p, backend="ffi"), p.codec.decode(p, backend="xla")
+
+    return [jax.vmap(both)(s) for s in stacks]
+
+
+def check_all_match(groups: list[dict], what: str) -> None:
+    """``check_kernel_matches_twin`` on every payload of ``groups`` (lists of
+    ``{case: payload}`` of one codec, shape and dtype each), decoded in one
+    program; where the kernel raises (CPU ThreeLC on a corrupted stream),
+    payload by payload."""
+    stacks = []
+    for g in groups:
+        p0 = next(iter(g.values()))
+        arrays = {k: np.stack([np.asarray(p.arrays[k]) for p in g.values()]) for k in p0.arrays}
+        stacks.append(jc.Payload(p0.codec, p0.shape, p0.dtype, arrays))
+    try:
+        out = [(np.asarray(a), np.asarray(b)) for a, b in _decode_stacks(stacks)]
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+        assert isinstance(stacks[0].codec, ThreeLC), f"{what}: {e}"
+        for g in groups:
+            for case, p in g.items():
+                check_kernel_matches_twin(p, f"{what} {p.shape} {p.dtype}: {case}")
+        return
+    for g, (got, twin) in zip(groups, out, strict=True):
+        for i, (case, p) in enumerate(g.items()):
+            a, b = _as_words(got[i].reshape(-1)), _as_words(twin[i].reshape(-1))
+            bad = np.flatnonzero(a != b)
+            assert bad.size == 0, (
+                f"{what} {p.shape} {p.dtype}: {case}: {bad.size} of {a.size} elements differ, "
+                f"first at {bad[:4]}: kernel {[hex(v) for v in a[bad[:4]]]} "
+                f"vs twin {[hex(v) for v in b[bad[:4]]]}"
+            )
+
+
+@jax.jit
+def _decode_both(payload):
+    """Kernel and twin in one program: one compilation per payload type."""
+    codec = payload.codec
+    return codec.decode(payload, backend="ffi"), codec.decode(payload, backend="xla")
+
+
 def check_kernel_matches_twin(payload, what: str) -> None:
     """Kernel == twin bit for bit, or (CPU ThreeLC only) the kernel raises
     on a corrupted stream and the twin gives NaN everywhere."""
-    twin = np.asarray(_decode(payload, "xla"))
     try:
-        got = np.asarray(_decode(payload, "ffi"))
+        got, twin = (np.asarray(a) for a in _decode_both(payload))
     except (jax.errors.JaxRuntimeError, ValueError) as e:  # as the call path reports it
         assert isinstance(payload.codec, ThreeLC), f"{what}: {e}"
+        twin = np.asarray(_decode(payload, "xla"))
         assert "jaxcomp_threelc_decode: corrupted stream" in str(e), f"{what}: {e}"
         assert np.all(np.isnan(twin.astype(np.float32))), f"{what}: the twin is not all NaN"
         return
@@ -221,10 +274,16 @@ def test_adversarial_payloads(codec):
 @pytest.mark.parametrize("codec", CONTRACT_CODECS, ids=codec_id)
 def test_adversarial_payloads_sizes_and_dtypes(codec):
     """Every configuration; a single element, and a size over several
-    buckets of the largest bucket size."""
-    for n, dtype in ((1, "bfloat16"), (4099, "float16")):
-        for case, payload in adversarial_payloads(codec, n, dtype, seed=n).items():
-            check_kernel_matches_twin(payload, f"{codec!r} n={n} {dtype}: {case}")
+    buckets of the largest bucket size. Both sizes encode in one program
+    and all their cases decode in one (kernel and twin, vmapped)."""
+    sizes = ((1, "bfloat16"), (4099, "float16"))
+    xs = [gradient_like(n, seed=n, dtype=dtype) for n, dtype in sizes]
+    encoded = _encode_all(xs, KEY, codec)
+    groups = [
+        adversarial_payloads(codec, n, dtype, seed=n, encoded=p)
+        for (n, dtype), p in zip(sizes, encoded, strict=True)
+    ]
+    check_all_match(groups, repr(codec))
 
 
 def test_topk_malformed_indices_decode_to_nan():

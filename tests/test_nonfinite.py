@@ -261,8 +261,12 @@ def test_pmap_skip_mode_qsgd_threelc_topk():
         "bias": None,
     }
     tx = optax.chain(jc.optax.compress_gradients(policy, AXIS, on_nonfinite="skip"), optax.sgd(0.1))
-    params = {n: jnp.full(BIAS if n == "bias" else SIZE, 0.5) for n in policy}
-    repl = jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params)
+    # Typed (float32, not weak) and laid out as the step's outputs are: the
+    # step compiles once.
+    params = {n: jnp.full(BIAS if n == "bias" else SIZE, 0.5, jnp.float32) for n in policy}
+    repl = jax.pmap(lambda p: p, axis_name=AXIS)(
+        jax.tree.map(lambda a: jnp.stack([a] * N_DEV), params)
+    )
     state0 = jax.pmap(tx.init, axis_name=AXIS)(repl)
 
     def train(p, s, g):
@@ -302,6 +306,8 @@ def test_apply_if_finite_after_it_with_bfloat16_gradients(meshes):
     )
     params = {n: jnp.full(BIAS if n == "bias" else SIZE, 0.5, jnp.bfloat16) for n in policy}
     state0 = jc.optax.init(tx, params, mesh, AXIS)
+    # Laid out as the step's outputs are, so that the step compiles once.
+    params = jax.device_put(params, jax.sharding.NamedSharding(mesh, P()))
     specs = jc.optax.state_specs(state0, AXIS)
 
     def train(p, s, g):

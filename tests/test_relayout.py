@@ -42,14 +42,20 @@ def _batch(t, n):
     )
 
 
+@functools.cache  # one transformation per setting, so that its step compiles once
 def _tx(axis, algorithm="auto"):
     return optax.chain(
         jc.optax.compress_gradients(CODEC, axis, algorithm=algorithm, **KW), optax.sgd(0.5)
     )
 
 
+@functools.cache
+def _step(tx, mesh, axis):
+    return jc.data_parallel(_loss, tx, mesh, axis, donate=False)
+
+
 def _train(tx, mesh, axis, params, opt_state, steps, t0=0):
-    step = jc.data_parallel(_loss, tx, mesh, axis, donate=False)
+    step = _step(tx, mesh, axis)
     params = jax.device_put(params, NamedSharding(mesh, P()))
     for t in range(t0, t0 + steps):
         params, opt_state, _ = step(params, opt_state, _batch(t, step.num_devices))
@@ -85,6 +91,7 @@ def assert_kept(before: dict, after: dict):
 
 
 @functools.cache
+@functools.cache  # arrays: the tests read them, none changes them
 def saved_on_8():
     """Three steps on 8 devices (two-phase: server residuals kept)."""
     mesh8 = _mesh((8,), ("data",))
