@@ -229,12 +229,14 @@ def free_bed(tag: str, procs: int, rate: str, wait: float):
 
 def join(args: argparse.Namespace, axis: str):
     """Joins this process to the job (jax.distributed over the test bed's
-    bridge) and returns the one-axis mesh of its devices."""
+    bridge, or at ``args.coordinator`` where a script runs on loopback
+    without the bed) and returns the one-axis mesh of its devices."""
     import jax
 
+    host = getattr(args, "coordinator", None) or f"{SUBNET}.1"
     jax.config.update("jax_platforms", "cpu")
     jax.distributed.initialize(
-        coordinator_address=f"{SUBNET}.1:{args.port}",
+        coordinator_address=f"{host}:{args.port}",
         num_processes=args.procs,
         process_id=args.pid,
         initialization_timeout=120,

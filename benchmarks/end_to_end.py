@@ -96,17 +96,7 @@ DOC = ROOT / "docs" / "end_to_end.md"
 def worker(args: argparse.Namespace) -> None:
     import jax
 
-    if args.coordinator:  # loopback (--smoke): no test bed
-        jax.config.update("jax_platforms", "cpu")
-        jax.distributed.initialize(
-            coordinator_address=f"{args.coordinator}:{args.port}",
-            num_processes=args.procs,
-            process_id=args.pid,
-            initialization_timeout=60,
-        )
-        mesh = jax.make_mesh((args.procs,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    else:
-        mesh = testbed.join(args, "data")
+    mesh = testbed.join(args, "data")  # the bed, or loopback with --coordinator
     import jaxcomp as jc
 
     if not args.twins and not jc.cpu_available():

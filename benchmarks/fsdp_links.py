@@ -184,17 +184,7 @@ def sent_bytes(hlo_text: str, procs: int) -> dict[str, int]:
 def worker(args: argparse.Namespace) -> None:
     import jax
 
-    if args.coordinator:  # loopback: no test bed
-        jax.config.update("jax_platforms", "cpu")
-        jax.distributed.initialize(
-            coordinator_address=f"{args.coordinator}:{args.port}",
-            num_processes=args.procs,
-            process_id=args.pid,
-            initialization_timeout=60,
-        )
-        mesh = jax.make_mesh((args.procs,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
-    else:
-        mesh = testbed.join(args, "fsdp")
+    mesh = testbed.join(args, "fsdp")  # the bed, or loopback with --coordinator
     import jaxcomp as jc
 
     if not args.twins and not jc.cpu_available():
