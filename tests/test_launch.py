@@ -54,10 +54,12 @@ time.sleep(300)
 """
 
 # Both processes wait until interrupted, and say so.
+# "ready" is printed inside the try: the test's SIGINT may arrive while the
+# print is still returning, after its line reached the launcher.
 INTERRUPTIBLE = """
 import sys, time
-print("ready", flush=True)
 try:
+    print("ready", flush=True)
     time.sleep(300)
 except KeyboardInterrupt:
     print("interrupted", flush=True)
