@@ -161,6 +161,72 @@ def test_scanned_model_gathers_one_layer_at_a_time():
     assert _max_diff(params, _full_batch_sgd(_unrolled, _stacked(), batch, 2)) < 1e-6
 
 
+def _nnx_stack(remat):
+    """A Flax NNX model of ``_stacked``'s shape: its layers made by
+    ``nnx.vmap`` (the stacked leaf) and applied by ``nnx.scan``; each layer
+    gathers its own parameter (``get_value``: the variable's value is a
+    ``Shard`` handle when the step hands one over)."""
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.w = nnx.Param(jax.random.normal(rngs.params(), (64, 64)) * 0.1)
+
+        def __call__(self, h):
+            return jnp.tanh(h @ fsdp.gather(self.w.get_value()))
+
+    class Stack(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=6)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return Layer(rngs)
+
+            self.layers = create(rngs)
+            self.out = nnx.Param(jax.random.normal(rngs.params(), (64, 8)) * 0.1)
+
+        def __call__(self, x):
+            body = nnx.remat(Layer.__call__) if remat else Layer.__call__
+            forward = nnx.scan(
+                lambda h, layer: body(layer, h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry
+            )
+            h = forward(x, self.layers)
+            return h @ fsdp.gather(self.out.get_value())
+
+    graphdef, state = nnx.split(Stack(nnx.Rngs(3)))
+
+    def loss(params, batch):
+        x, y = batch
+        return jnp.mean((nnx.merge(graphdef, params)(x) - y) ** 2)
+
+    return loss, state
+
+
+def test_nnx_scan_model_gathers_one_layer_at_a_time():
+    """nnx.scan slices the layers' ``Shard`` handles as lax.scan does: the
+    compiled step's all-gathers are one layer's size, with remat its
+    buffers hold under three layers' parameters, and the exact step is
+    full-batch SGD of the unsharded model."""
+    pytest.importorskip("flax")
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    cfg = fsdp.ShardParams(axis="fsdp", layers=_layers)
+    batch = (jax.random.normal(jax.random.key(1), (64, 64)), jnp.zeros((64, 8)))
+    loss, state0 = _nnx_stack(remat=True)
+    step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg, donate=False)
+    params, state = step.init(state0)
+    compiled = step.lower(params, state, batch).compile()
+    gathered = re.findall(r"= f32\[([\d,]+)\]\S* all-gather\(", compiled.as_text())
+    assert gathered and all(
+        int(np.prod([int(d) for d in g.split(",")])) <= 64 * 64 for g in gathered
+    )
+    assert compiled.memory_analysis().temp_size_in_bytes < 3 * 64 * 64 * 4
+    for _ in range(2):
+        params, state, _ = step(params, state, batch)
+    layers = params["layers"]["w"]
+    assert layers.get_value().sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 3)
+    assert _max_diff(params, _full_batch_sgd(loss, state0, batch, 2)) < 1e-6
+
+
 def _linear(p, batch):
     """A loss whose gradient is the batch itself, whatever the parameters."""
     return sum(jnp.sum(p[k] * batch[k].mean(0)) for k in p)
