@@ -33,8 +33,10 @@ from jaxcomp.planning import (
     Cluster,
     Compute,
     Link,
+    Sharding,
     load_compute,
     predict,
+    predict_sharded,
     predict_step,
 )
 
@@ -156,6 +158,38 @@ def _check_end_to_end(table: Mapping, compute: Compute) -> list[Check]:
     return out
 
 
+def _check_sharded(table: Mapping, compute: Compute) -> list[Check]:
+    """benchmarks/fsdp_links.py's step: the compute alone as measured,
+    plus the predicted parameter all-gather and gradient reduce-scatter of
+    each layer (``plan --shard-params``'s terms). Its loss uses the whole
+    model, so nothing is gathered again in the backward pass."""
+    per_layer = sum(math.prod(s) for s in table["layer_leaves"])
+    n = per_layer * table["layers"]
+    cluster = lambda link: Cluster(table["procs"], 1, testbed_link(link))  # noqa: E731
+    out = []
+    for r in table["rows"]:
+        s = Sharding(_codec(r["gradients"]), _codec(r["parameters"]))
+        if any(
+            c is not None and repr(c) not in compute.kernels for c in (s.gradients, s.parameters)
+        ):
+            continue  # no stored speed for the codec (the 64-value buckets)
+        e = predict_sharded(
+            s,
+            n,
+            cluster(r["link"]),
+            compute,
+            regather=False,
+            error_feedback=r["error_feedback"],
+            bucket=per_layer,
+        )
+        label = f"{r['link']} | {r['row']}"
+        why = "a whole training step"
+        out.append(
+            Check("sharded step", label, r["step_s"], r["compute_s"] + e.seconds, False, why)
+        )
+    return out
+
+
 def _check_gpu(table: Mapping, compute: Compute) -> list[Check]:
     shapes = [tuple(s) for s in table["leaves"]]
     cluster = Cluster(table["devices"], 1, Link(math.inf))
@@ -179,6 +213,7 @@ def check(rows: Mapping, cpu: Compute, gpu: Compute | None = None) -> list[Check
     out = _check_collectives(rows["collectives"], cpu)
     out += _check_optimizer_step(rows["optimizer_step"], cpu)
     out += _check_end_to_end(rows["end_to_end"], cpu)
+    out += _check_sharded(rows["sharded_step"], cpu)
     if gpu is not None:
         out += _check_gpu(rows["gpu_train_step"], gpu)
     return out
@@ -190,6 +225,7 @@ _LABEL_COLUMNS = {
     "optimizer step": "link | codec@algorithm | update",
     "end to end": "link | row | run",
     "gpu train step": "device | row",
+    "sharded step": "link | row",
 }
 
 
