@@ -161,7 +161,7 @@ def test_scanned_model_gathers_one_layer_at_a_time():
     assert _max_diff(params, _full_batch_sgd(_unrolled, _stacked(), batch, 2)) < 1e-6
 
 
-def _nnx_stack(remat):
+def _nnx_stack():
     """A Flax NNX model of ``_stacked``'s shape: its layers made by
     ``nnx.vmap`` (the stacked leaf) and applied by ``nnx.scan``; each layer
     gathers its own parameter (``get_value``: the variable's value is a
@@ -186,7 +186,7 @@ def _nnx_stack(remat):
             self.out = nnx.Param(jax.random.normal(rngs.params(), (64, 8)) * 0.1)
 
         def __call__(self, x):
-            body = nnx.remat(Layer.__call__) if remat else Layer.__call__
+            body = nnx.remat(Layer.__call__)  # the backward pass gathers again
             forward = nnx.scan(
                 lambda h, layer: body(layer, h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry
             )
@@ -202,16 +202,17 @@ def _nnx_stack(remat):
     return loss, state
 
 
-def test_nnx_scan_model_gathers_one_layer_at_a_time():
-    """nnx.scan slices the layers' ``Shard`` handles as lax.scan does: the
-    compiled step's all-gathers are one layer's size, with remat its
-    buffers hold under three layers' parameters, and the exact step is
-    full-batch SGD of the unsharded model."""
+@pytest.mark.parametrize("front_end", ["nnx", "linen"])
+def test_flax_scan_model_gathers_one_layer_at_a_time(front_end):
+    """nnx.scan and Linen's nn.scan slice the layers' ``Shard`` handles as
+    lax.scan does: the compiled step's all-gathers are one layer's size,
+    with remat its buffers hold under three layers' parameters, and the
+    exact step is full-batch SGD of the unsharded model."""
     pytest.importorskip("flax")
     mesh = jax.make_mesh((8,), ("fsdp",))
     cfg = fsdp.ShardParams(axis="fsdp", layers=_layers)
     batch = (jax.random.normal(jax.random.key(1), (64, 64)), jnp.zeros((64, 8)))
-    loss, state0 = _nnx_stack(remat=True)
+    loss, state0 = _nnx_stack() if front_end == "nnx" else _linen_stack()
     step = jc.data_parallel(loss, optax.sgd(LR), mesh, shard_params=cfg, donate=False)
     params, state = step.init(state0)
     compiled = step.lower(params, state, batch).compile()
@@ -223,8 +224,44 @@ def test_nnx_scan_model_gathers_one_layer_at_a_time():
     for _ in range(2):
         params, state, _ = step(params, state, batch)
     layers = params["layers"]["w"]
-    assert layers.get_value().sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 3)
+    layers = layers.get_value() if front_end == "nnx" else layers
+    assert layers.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "fsdp")), 3)
     assert _max_diff(params, _full_batch_sgd(loss, state0, batch, 2)) < 1e-6
+
+
+def _linen_stack():
+    """The same model in Flax Linen: ``nn.scan`` over a layer whose
+    parameters ``nn.map_variables`` passes through ``fsdp.gather``, inside
+    ``nn.remat`` so that the backward pass gathers again."""
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            w = self.param("w", nn.initializers.normal(0.1), (64, 64))
+            return jnp.tanh(h @ w), None
+
+    def gather_all(tree):
+        return jax.tree.map(fsdp.gather, tree, is_leaf=lambda x: isinstance(x, fsdp.Shard))
+
+    gathered = nn.remat(nn.map_variables(Layer, "params", trans_in_fn=gather_all, init=True))
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            scan = nn.scan(
+                gathered, variable_axes={"params": 0}, split_rngs={"params": True}, length=6
+            )
+            h, _ = scan(name="layers")(x, None)
+            return h @ fsdp.gather(self.param("out", nn.initializers.normal(0.1), (64, 8)))
+
+    model = Stack()
+
+    def loss(params, batch):
+        x, y = batch
+        return jnp.mean((model.apply({"params": params}, x) - y) ** 2)
+
+    return loss, model.init(jax.random.key(3), jnp.zeros((1, 64)))["params"]
 
 
 def _linear(p, batch):
