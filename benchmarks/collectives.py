@@ -43,6 +43,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -519,6 +520,28 @@ def run_job(cmds: list[list[str]], hosts: list[str] | None, timeout: float, tmp)
         if p.returncode != 0:
             raise RuntimeError(f"process {i} failed ({p.returncode}):\n{texts[i][-3000:]}")
     return texts
+
+
+def run_workers(
+    script, procs: int, flags: list[str], hosts: list[str] | None, timeout: float, prefix: str
+) -> list[dict]:
+    """Runs ``script --worker`` in ``procs`` processes as one job
+    (:func:`run_job`: in the namespaces ``hosts``, or on loopback for None,
+    each process under ``timeout``), with ``--port``, ``--procs``, ``--pid``
+    and ``--out`` followed by ``flags``; each worker writes its results as
+    JSON to ``--out``. Returns them in process order."""
+    port = random.randrange(20000, 60000)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        cmds = []
+        for i in range(procs):
+            cmd = ["timeout", "-k", "10", str(timeout), sys.executable, str(script)]
+            cmd += ["--worker", "--port", str(port), "--procs", str(procs), "--pid", str(i)]
+            cmd += ["--out", f"{tmp}/{i}.json", *flags]
+            if hosts is None:
+                cmd += ["--coordinator", "127.0.0.1"]
+            cmds.append(cmd)
+        run_job(cmds, hosts, timeout, tmp)
+        return [json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text()) for i in range(procs)]
 
 
 def predict(kind_bytes: dict[str, int], procs: int, rate_bps: float) -> float:

@@ -67,12 +67,10 @@ import datetime
 import json
 import os
 import pathlib
-import random
 import re
 import signal
 import statistics
 import sys
-import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -286,18 +284,8 @@ def launch(args: argparse.Namespace, rows: list[str], hosts: list[str] | None) -
     """Runs ``rows`` in one job of ``args.procs`` processes (in the test
     bed's namespaces ``hosts``, or on loopback for None), every process
     under ``timeout``; returns each process's results."""
-    port = random.randrange(20000, 60000)
-    with tempfile.TemporaryDirectory(prefix="jc-fsdp-") as tmp:
-        cmds = []
-        for i in range(args.procs):
-            cmd = ["timeout", "-k", "10", str(args.timeout), sys.executable, __file__]
-            cmd += ["--worker", "--port", str(port), "--procs", str(args.procs), "--pid", str(i)]
-            cmd += ["--out", f"{tmp}/{i}.json", "--rows", *rows, *worker_flags(args)]
-            if hosts is None:
-                cmd += ["--coordinator", "127.0.0.1"]
-            cmds.append(cmd)
-        testbed.run_job(cmds, hosts, args.timeout, tmp)
-        return [json.loads(pathlib.Path(f"{tmp}/{i}.json").read_text()) for i in range(args.procs)]
+    flags = ["--rows", *rows, *worker_flags(args)]
+    return testbed.run_workers(__file__, args.procs, flags, hosts, args.timeout, "jc-fsdp-")
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:

@@ -165,9 +165,9 @@ def _check_sharded(table: Mapping, compute: Compute) -> list[Check]:
     model, so nothing is gathered again in the backward pass."""
     per_layer = sum(math.prod(s) for s in table["layer_leaves"])
     n = per_layer * table["layers"]
-    cluster = lambda link: Cluster(table["procs"], 1, testbed_link(link))  # noqa: E731
     out = []
     for r in table["rows"]:
+        cluster = Cluster(table["procs"], 1, testbed_link(r["link"]))
         s = Sharding(_codec(r["gradients"]), _codec(r["parameters"]))
         if any(
             c is not None and repr(c) not in compute.kernels for c in (s.gradients, s.parameters)
@@ -176,7 +176,7 @@ def _check_sharded(table: Mapping, compute: Compute) -> list[Check]:
         e = predict_sharded(
             s,
             n,
-            cluster(r["link"]),
+            cluster,
             compute,
             regather=False,
             error_feedback=r["error_feedback"],

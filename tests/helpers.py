@@ -174,3 +174,24 @@ def registered_targets(folder: str, suffix: str) -> set[str]:
     for source in (root / folder).glob("*.c[cu]"):
         registered |= set(re.findall(r"JAXCOMP_REGISTER\((\w+)", source.read_text()))
     return {name for const, name in constants.items() if const in registered}
+
+
+def run_benchmark_smoke(script: str, out) -> None:
+    """Runs ``benchmarks/<script> --smoke --json <out>`` from the repository
+    root on the CPU (the script bounds its own processes with ``timeout``
+    and kills what is left; this bounds the script) and asserts that it
+    exited cleanly."""
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    r = subprocess.run(
+        [sys.executable, root / "benchmarks" / script, "--smoke", "--json", out],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

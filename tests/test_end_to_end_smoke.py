@@ -3,32 +3,16 @@ namespaces and no shaping, a tiny model, a few steps of the float32 row and
 a compressed one (the full benchmark, over emulated links, is not in CI)."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from helpers import run_benchmark_smoke
 
 pytestmark = pytest.mark.multiprocess
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_two_processes_on_loopback(tmp_path):
     out = tmp_path / "end_to_end.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # The script bounds every process (timeout) and kills what is left;
-    # this bounds the script.
-    r = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "end_to_end.py", "--smoke", "--json", out],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_benchmark_smoke("end_to_end.py", out)
     data = json.loads(out.read_text())
     rows = {rec["row"]: rec for rec in data["links"]["loopback"]}
     assert set(rows) == {"float32", "qsgd:bits=4"}

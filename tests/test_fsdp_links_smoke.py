@@ -7,12 +7,11 @@ the table it writes into docs/fsdp.md."""
 import importlib.util
 import json
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
+from helpers import run_benchmark_smoke
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -70,18 +69,7 @@ def test_table_goes_into_docs_at_the_marker(tmp_path, monkeypatch):
 @pytest.mark.multiprocess
 def test_two_processes_on_loopback(tmp_path):
     out = tmp_path / "fsdp_links.json"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    # The script bounds every process (timeout) and kills what is left;
-    # this bounds the script.
-    r = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "fsdp_links.py", "--smoke", "--json", out],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_benchmark_smoke("fsdp_links.py", out)
     data = json.loads(out.read_text())
     assert data["procs"] == 2
     rows = {rec["row"]: rec for rec in data["records"]}

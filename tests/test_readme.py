@@ -18,12 +18,19 @@ def test_usage_example_runs():
             assert scope["payload"].nbytes == 508_040
 
 
-def test_collectives_doc_example_runs():
-    doc = README.parent / "docs" / "collectives.md"
+def _run_doc(name: str) -> tuple[list[str], dict]:
+    """Runs every python block of docs/``name`` in one session (later
+    blocks use earlier names); returns the blocks and the session's names."""
+    doc = README.parent / "docs" / name
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     scope: dict = {}
-    for block in blocks:  # one session: later blocks use earlier names
+    for block in blocks:
         exec(compile(block, str(doc), "exec"), scope)
+    return blocks, scope
+
+
+def test_collectives_doc_example_runs():
+    blocks, scope = _run_doc("collectives.md")
     assert scope["mean"].shape == (4096,) and scope["sent"].shape == (8, 4096)
     assert len(blocks) == 3 and len(scope["log"]) > 0
     assert scope["shard"].shape == (8, 512) and scope["gathered"].shape == (8, 4096)
@@ -40,11 +47,7 @@ def test_training_doc_example_runs():
 
 
 def test_fsdp_doc_examples_run():
-    doc = README.parent / "docs" / "fsdp.md"
-    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
-    scope: dict = {}
-    for block in blocks:  # one session: later blocks use earlier names
-        exec(compile(block, str(doc), "exec"), scope)
+    blocks, scope = _run_doc("fsdp.md")
     assert len(blocks) == 3
     assert math.isfinite(float(scope["loss"]))  # the stacked model's step
     assert scope["step"].num_devices == 8  # the HSDP step, over (2, 4)
