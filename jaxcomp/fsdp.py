@@ -4,30 +4,31 @@ replicated over a slow axis (HSDP), with the parameter all-gather and the
 gradient reduce-scatter compressed.
 
 ``jc.data_parallel(loss_fn, tx, mesh, shard_params=jc.fsdp.ShardParams(...))``
-builds the step (:class:`ShardedDataParallel`). Each device holds a shard of
-every parameter (a slice of one dimension), its optimizer state and its
-residual. Where the loss uses a parameter, :func:`gather` all-gathers it
-(``jc.all_gather``, optionally block-quantized); its gradient is
-reduce-scattered in the backward pass of that gather (``jc.psum_scatter``:
-encode, all-to-all, float32 decode-and-sum: each element quantized once on
-the wire), so only the owned shard of the mean gradient reaches the
-optimizer, which updates the owned shard.
+builds the step (:class:`ShardedDataParallel`). It has two parts:
+
+- per device, inside ``jax.shard_map`` (manual over the data axes only, so
+  that a model axis of the mesh stays XLA's): where the loss uses a
+  parameter, :func:`gather` all-gathers it (``jc.all_gather``, optionally
+  block-quantized), and in the backward pass of that gather its gradient is
+  reduce-scattered (``jc.psum_scatter``: each element quantized once on the
+  wire) with error feedback;
+- on global arrays, outside ``shard_map``: ``tx.update`` on the mean
+  gradients, laid out as the parameters, which XLA partitions. Every optax
+  transform then computes what it computes on one device: a global norm is
+  a norm over the whole model, a factored moment one over whole rows.
 
 What error feedback keeps, and why nothing is lost: a device's compression
 error on the rows it sends to owner ``j`` is its own (no other device knows
 it, and the owner sees only the decoded sum), so it stays with the sender
-and re-enters the same rows next step. The conservation invariant of
-docs/architecture.md holds for the sharded mean: over the steps, the owners'
-applied mean gradients times P plus every device's residual equal the sum of
-the gradients. That residual has the size of what a device compresses: the
-whole (gathered) parameter on one axis, ``1/F`` of it on a ``(slow, fast)``
-mesh whose fast hop is exact, a shard with HSDP (docs/fsdp.md weighs it).
+and re-enters the same rows next step. Over the steps, the applied mean
+gradients times P plus every device's residual equal the sum of the
+gradients (docs/architecture.md's invariant for the sharded mean).
 
 Per-layer state through ``jax.grad``: :func:`gather` is a ``custom_vjp``
 whose backward pass returns the new residual as the "gradient" of the
-residual it was given (Flax's "overwrite with gradient" idea), so a stacked
-model gathers one layer at a time inside its ``lax.scan`` and each layer's
-residual comes back stacked like the layer's parameters.
+residual it was given, so a stacked model gathers one layer at a time
+inside its ``lax.scan`` and each layer's residual comes back stacked like
+the layer's parameters.
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp import collectives
 from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
+from jaxcomp.optax import OneBitAdamState
+from jaxcomp.optax._state import find_states
 from jaxcomp.optax._step import all_finite
+from jaxcomp.train import _average_mutated, _per_device_streams, _reduce_metrics, _StepBase
 
 __all__ = [
     "Shard",
@@ -65,40 +69,27 @@ class ShardParams:
 
     Attributes:
       axis: the mesh axis the parameters are sharded over, or a ``(slow,
-        fast)`` pair of axes (sharded over both; the reduce-scatter is exact
-        over ``fast`` and compressed over ``slow``, the all-gather
-        compressed over ``slow`` only).
+        fast)`` pair (sharded over both; the reduce-scatter exact over
+        ``fast`` and compressed over ``slow``).
       gradients: the codec of the gradient reduce-scatter (a codec or its
         spec string); None: float32, ``lax.psum_scatter``.
-      parameters: the codec of the parameter all-gather (Int8, FP8, MX:
-        block-quantized weights in the forward and backward passes; the
-        master shard stays exact with its owner, so the quantization is a
-        perturbation of each step's forward pass, never accumulated, and
-        nothing corrects it); None: exact, ``lax.all_gather``.
+      parameters: the codec of the parameter all-gather (Int8, FP8, MX);
+        None: exact, ``lax.all_gather``.
       error_feedback: keep what the gradient codec drops in a residual and
-        add it back next step (the module docstring says where it lives).
+        add it back next step.
       replicate_over: HSDP: a slow mesh axis the shards are replicated over
         (``axis`` is then the fast one, whose collectives are exact); the
-        gradient's shard is all-reduced over it with ``gradients``
-        (``jc.psum``), with a shard-sized residual.
+        gradient's shard is all-reduced over it with ``gradients``.
       layers: ``layers(path, leaf) -> bool``: the stacked leaves the loss
         gathers itself, one layer at a time (``jc.fsdp.gather`` inside the
-        scan over layers): they reach the loss as :class:`Shard` handles,
-        sharded along their dimension 1. None: every leaf is gathered before
-        the loss is called.
-      seed: the seed of the stochastic codecs' keys (folded with the step,
-        the leaf, the layer and the device).
-      shard_dim: ``shard_dim(path, leaf) -> int | None``: the dimension
-        to shard a leaf along (None: replicated, its gradient averaged
-        exactly), for a leaf whose dimension 0 does not divide over the
-        devices (the per-head parameters of an attention layer). None: 0,
-        and 1 for ``layers`` leaves (whose dimension 0 is the layer's).
-      min_compress_size: leaves of fewer values (per layer, for ``layers``
-        leaves) take exact collectives whatever the codecs: a codec pads
-        each device's row to a whole bucket, so a LayerNorm scale or a bias
-        of a few dozen values per device costs more compressed than in
-        float32 (docs/fsdp.md measures it). 0: every sharded leaf through
-        the codecs.
+        scan over layers); they reach the loss as :class:`Shard` handles.
+      seed: the seed of the stochastic codecs' keys.
+      shard_dim: ``shard_dim(path, leaf) -> int | None``: the dimension to
+        shard a leaf along (None: replicated over the data axes, its
+        gradient averaged exactly). Default: 0, and 1 for ``layers`` leaves.
+      min_compress_size: leaves of fewer values (per layer for ``layers``
+        leaves) take exact collectives whatever the codecs (a codec pads
+        each device's row to a whole bucket).
     """
 
     axis: Hashable | tuple = "fsdp"
@@ -117,24 +108,37 @@ class ShardParams:
             if c is not None:
                 object.__setattr__(self, field, as_codec(c, f"jc.fsdp.ShardParams({field}=)"))
 
+    @property
+    def data_axes(self) -> tuple:
+        """Every mesh axis the batch is split over: ``replicate_over`` (if
+        set), then the sharding axes."""
+        rep = (self.replicate_over,) if self.replicate_over is not None else ()
+        return rep + names_of(self.axis)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    """What one gather needs, static: the sharded dimension counted from the
-    end (so that it holds for the per-layer slices of a stacked leaf), the
-    axes and the codecs."""
+    """What one gather needs, static (the ``custom_vjp``'s argument)."""
 
-    dim: int
+    dim: int  # the sharded dimension, counted from the end (it holds for one layer's slice)
     shard_axes: tuple  # the axes the leaf is sharded over: (axis,) or (slow, fast)
     replicate: Hashable | None
     gradients: Codec | None
     parameters: Codec | None
     feedback: bool
     devices: int  # every device the mean is over
+    # One gather's parameter laid out over the mesh's other (model) axes:
+    # a PartitionSpec's entries, one per dimension (all None without them).
+    model: tuple = ()
+    path: str = ""
 
     @property
     def axis(self):
         return self.shard_axes[0] if len(self.shard_axes) == 1 else self.shard_axes
+
+    @property
+    def model_axes(self) -> tuple:
+        return tuple(a for e in self.model if e is not None for a in names_of(e))
 
 
 @jax.tree_util.register_dataclass
@@ -148,10 +152,10 @@ class Shard:
     Attributes:
       shard: this device's shard.
       residual: its error-feedback residual (float32), or None.
-      key: the PRNG key of its collectives.
+      key: the PRNG key of its collectives (one per layer before the scan).
       probe: float32 zeros (one per layer) whose "gradient" is 1 where the
-        backward pass of the gather ran: a residual whose gather did not
-        run (a parameter the loss left unused) is kept as it was.
+        backward pass of the gather ran, so that a parameter the loss left
+        unused keeps its residual.
     """
 
     shard: jax.Array
@@ -160,18 +164,31 @@ class Shard:
     probe: jax.Array | None
     spec: _Spec = dataclasses.field(metadata=dict(static=True))
 
+    def __jax_array__(self):
+        raise ValueError(
+            f"jc.fsdp: {self.spec.path} is a ShardParams(layers=...) leaf, which reaches the "
+            "loss as a jc.fsdp.Shard handle: make one layer of it whole with "
+            "jc.fsdp.gather(...) inside the scan over its layers, or leave it out of layers="
+        )
+
 
 def gather(x):
     """The whole parameter of a :class:`Shard` (one layer's, inside a scan
     over a stacked leaf): all-gathered, and in the backward pass its
     gradient reduce-scattered with error feedback. Anything else is
     returned as it is, so a loss works with gathered and sharded leaves
-    alike. Each handle is to be gathered once per step (its residual comes
-    back as its "gradient"); wrap the layer in ``jax.checkpoint`` so that
-    the backward pass gathers again instead of keeping every layer's
-    parameters (ZeRO-3's backward all-gather)."""
+    alike. Gather each handle once per step, and wrap the layer in
+    ``jax.checkpoint`` so that the backward pass gathers again instead of
+    keeping every layer's parameters."""
     if not isinstance(x, Shard):
         return x
+    if jnp.ndim(x.key) != 0:
+        raise ValueError(
+            f"jc.fsdp.gather: {x.spec.path} is a ShardParams(layers=...) leaf, gathered here "
+            f"whole (its keys have shape {jnp.shape(x.key)}, one per layer): gather one layer at "
+            "a time inside the scan over its leading (layer) axis (lax.scan, nnx.scan, "
+            "nn.scan), or leave the leaf out of layers= if it is not a stack of layers"
+        )
     return _gather(x.spec, x.shard, x.residual, x.key, x.probe)
 
 
@@ -193,7 +210,38 @@ def _gather_bwd(spec, saved, ct):
 _gather.defvjp(_gather_fwd, _gather_bwd)
 
 
+def _per_model_block(spec: _Spec, f, arrays: tuple, key, n_out: int):
+    """``f(*arrays, key)`` on this device's block of the mesh's model axes.
+
+    Inside the step the data axes are manual and the model axes XLA's. A
+    codec's kernel is a custom call, which XLA cannot partition: it would
+    gather the model axes first. So each (data, model) device encodes its
+    own block, with the model index folded into its key, and the data-axis
+    collectives run per model block. ``arrays`` and the ``n_out`` results
+    are laid out as one gather's parameter (``spec.model``)."""
+    axes = spec.model_axes
+    if not axes:
+        return f(*arrays, key)
+
+    def block(*args):
+        *xs, k = args
+        return f(*xs, jax.random.fold_in(k, lax.axis_index(axes)))
+
+    blocks = P(*spec.model)
+    return jax.shard_map(
+        block,
+        in_specs=(*(blocks,) * len(arrays), P()),
+        out_specs=blocks if n_out == 1 else (blocks,) * n_out,
+        axis_names=frozenset(axes),
+        check_vma=False,
+    )(*arrays, key)
+
+
 def _all_gather(spec: _Spec, shard, key):
+    return _per_model_block(spec, functools.partial(_gather_block, spec), (shard,), key, 1)
+
+
+def _gather_block(spec: _Spec, shard, key):
     x = jnp.moveaxis(shard, spec.dim, 0)
     if spec.parameters is None:
         full = lax.all_gather(x, spec.axis, tiled=True)
@@ -207,6 +255,14 @@ def _all_gather(spec: _Spec, shard, key):
 def _reduce_scatter(spec: _Spec, ct, residual, key):
     """``(mean gradient of the owned shard, new residual)`` from this
     device's gradient of the whole parameter."""
+    if residual is None:
+        f = functools.partial(_scatter_block, spec, residual=None)
+        return _per_model_block(spec, lambda c, k: f(c, key=k)[0], (ct,), key, 1), None
+    f = functools.partial(_scatter_block, spec)
+    return _per_model_block(spec, f, (ct, residual), key, 2)
+
+
+def _scatter_block(spec: _Spec, ct, residual, key):
     g = jnp.moveaxis(ct, spec.dim, 0).astype(jnp.float32)
     key = jax.random.fold_in(key, 1)
     codec, new = spec.gradients, residual
@@ -246,14 +302,16 @@ class ShardedState(NamedTuple):
     """The state of a sharded step, beside the parameters.
 
     Attributes:
-      opt_state: ``tx``'s state of this device's shards, every leaf with a
-        leading axis of one entry per device (sharded over the mesh).
-      residuals: a tuple, one float32 array per sharded parameter in the
-        order of the parameters' leaves, with a leading axis of one entry per
-        device (sharded), each entry shaped like what that device compresses
-        (:class:`ShardParams`); empty without error feedback.
-      step: the number of steps taken (int32, replicated): the keys'
-        counter.
+      opt_state: ``tx.init(params)``, global arrays laid out as the
+        parameters (a leaf shaped like its parameter is sharded like it;
+        others as ``tx.init`` makes them: scalars and factored moments
+        replicated or sharded where they follow a sharded dimension).
+      residuals: a tuple, one float32 array per parameter with error
+        feedback, in the order of the parameters' leaves, with a leading
+        axis of one entry per data device (sharded over the data axes),
+        each entry shaped like what that device compresses; empty without
+        error feedback.
+      step: the number of steps taken (int32, replicated): the keys' counter.
     """
 
     opt_state: Any
@@ -261,33 +319,54 @@ class ShardedState(NamedTuple):
     step: jax.Array
 
 
-class ShardedDataParallel:
+# The transforms that average the gradients over the data axes themselves:
+# in a sharded step they would average different devices' slices.
+_AVERAGING = {
+    OneBitAdamState: "jc.optax.onebit_adam",
+    "CompressState": "jc.optax.compress_gradients",
+    "PmeanState": "jc.optax.pmean",
+    "PowerSGDState": "jc.optax.powersgd",
+    "DiLoCoState": "jc.optax.diloco",
+}
+
+
+def _averaging_transform(opt_state) -> str | None:
+    """The name of a jaxcomp transform in ``opt_state`` that all-reduces the
+    gradients itself, or None."""
+    for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OneBitAdamState)):
+        if isinstance(x, OneBitAdamState):
+            return _AVERAGING[OneBitAdamState]
+    for s in find_states(opt_state):
+        return _AVERAGING.get(type(s).__name__, type(s).__name__)
+    return None
+
+
+class ShardedDataParallel(_StepBase):
     """The sharded train step: ``jc.data_parallel(loss_fn, tx, mesh,
     shard_params=...)``.
 
     ``params, state = step.init(params)`` lays the parameters out sharded
-    (``NamedSharding``: each leaf's dimension 0, or 1 for ``layers``
-    leaves, split over the sharding axes; scalars replicated) and creates
-    the optimizer state and residuals of every device's shards;
-    ``params, state, loss = step(params, state, batch)`` runs one step.
-    ``tx`` is a plain optax optimizer (``optax.adamw(...)``): the step's own
-    collectives average the gradients, and ``tx`` updates each device's
-    shards. A step whose mean gradient (or a new residual) is not finite
-    on some device changes no parameter and no state on any device (its
-    loss shows it), as ``compress_gradients`` keeps its residuals.
+    and creates ``tx``'s state and the residuals; ``params, state, loss =
+    step(params, state, batch)`` runs one step. ``tx`` is any optax
+    optimizer, unchanged: it runs on the global mean gradients, so its
+    result is one device's step on the whole batch (up to summation order).
+    A step whose mean gradient (or a new residual) is not finite changes
+    nothing (its loss shows it).
 
     Args:
       loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)``
         when the step is given a key), the scalar loss of this device's
-        batch. ``params`` holds the gathered parameters, and
-        :class:`Shard` handles for ``layers`` leaves.
+        batch; ``params`` holds the gathered parameters, and :class:`Shard`
+        handles for ``layers`` leaves (or the NNX module built of them).
       tx: the optimizer.
-      mesh: the mesh; the batch is split over every axis the parameters
-        are sharded or replicated over, and others must have size 1.
-      shard_params: a :class:`ShardParams`, or an axis name (exact
-        collectives over it).
+      mesh: the mesh; the batch is split over the data axes
+        (``ShardParams.data_axes``), and any other axis (a model axis) is
+        left to XLA, with the parameters' layout over it as given.
+      shard_params: a :class:`ShardParams`, or an axis name.
       has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged.
       donate: donate the parameters and the state to the step.
+      max_in_flight: the most steps dispatched and not yet finished, as
+        ``jc.data_parallel``'s (``"auto"``: 1 on a CPU mesh).
     """
 
     def __init__(
@@ -299,146 +378,143 @@ class ShardedDataParallel:
         *,
         has_aux: bool = False,
         donate: bool = True,
+        max_in_flight: int | str | None = "auto",
     ):
         if not isinstance(shard_params, ShardParams):
             shard_params = ShardParams(axis=shard_params)
-        self.loss_fn = loss_fn
-        self.tx = tx
-        self.mesh = mesh
-        self.config = shard_params
-        self.has_aux = has_aux
-        self.donate = donate
-        self._shard_axes = names_of(shard_params.axis)
-        rep = shard_params.replicate_over
-        self._axes = ((rep,) if rep is not None else ()) + self._shard_axes
-        _check_mesh(mesh, self._axes, shard_params)
-        self.num_devices = int(np.prod([mesh.shape[a] for a in self._axes]))
+        cfg = shard_params
+        axes = cfg.data_axes
+        _check_mesh(mesh, axes, cfg)
+        self._setup(loss_fn, tx, mesh, axes, has_aux, donate, max_in_flight)
+        self.config = cfg
+        self._shard_axes = names_of(cfg.axis)
         self._shard_size = int(np.prod([mesh.shape[a] for a in self._shard_axes]))
-        if len(self._shard_axes) == 2 and rep is not None:
-            raise ValueError(
-                "jc.fsdp.ShardParams: replicate_over (HSDP) takes one sharding axis, got "
-                f"axis={shard_params.axis!r}"
-            )
-        self._all = self._axes if len(self._axes) > 1 else self._axes[0]
+        self._all = axes if len(axes) > 1 else axes[0]
         self._shard_spec = self._shard_axes if len(self._shard_axes) > 1 else self._shard_axes[0]
-        self.batch_sharding = NamedSharding(mesh, P(self._all))
+        self._explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
         self._dims = None  # per leaf: the sharded dimension, None for replicated leaves
-        self._step = None
 
     # -- layout --------------------------------------------------------------
 
-    def _plan(self, params) -> tuple[list, list]:
-        """Per leaf, its sharded dimension (None: replicated), checked, and
-        whether it is a ``layers`` leaf."""
-        cfg, k = self.config, self._shard_size
-        dims, layers = [], []
-        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
-            layer = bool(cfg.layers is not None and cfg.layers(path, x))
-            layers.append(layer)
-            dim = 1 if layer else 0
-            if cfg.shard_dim is not None:
-                dim = cfg.shard_dim(path, x)
-            name = jax.tree_util.keystr(path)
-            if layer and (dim is None or dim < 1 or dim >= np.ndim(x)):
-                raise ValueError(
-                    f"jc.data_parallel: {name} is a layers leaf of shape {np.shape(x)}; a "
-                    "stacked leaf has a layer axis and at least one more, and is sharded "
-                    f"along one of the others (shard_dim gave {dim!r})"
-                )
-            if dim is not None and not 0 <= dim < max(np.ndim(x), 1):
-                raise ValueError(
-                    f"jc.data_parallel: shard_dim gave {dim!r} for {name} of shape "
-                    f"{np.shape(x)}: a dimension of the leaf, or None to replicate it"
-                )
-            if dim is None or np.ndim(x) == 0:
-                dims.append(None)  # replicated, its gradient averaged exactly
-                continue
-            if x.shape[dim] % k:
-                raise ValueError(
-                    f"jc.data_parallel: parameter {name} of shape {tuple(x.shape)} cannot be "
-                    f"sharded: its dimension {dim} ({x.shape[dim]}) is not a multiple of the "
-                    f"{k} devices of {self.config.axis!r}. Pad that dimension to a multiple "
-                    f"of {k} (a vocabulary, say), shard it along another dimension "
-                    "(ShardParams.shard_dim), or use a mesh whose sharding axes divide it"
-                )
-            dims.append(dim)
-        return dims, layers
+    def _plan(self, params) -> None:
+        """Per leaf: its sharded dimension (None: replicated), whether it is
+        a ``layers`` leaf, its model-axis layout; checked."""
+        self._dims, self._layers, self._model = _plan(
+            self.config, params, self._shard_size, self._model_entries
+        )
+        self._check_model_axes(self._model)
+        self._paths = [
+            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        ]
+        leaves = jax.tree.leaves(params)
+        self._shapes = [tuple(np.shape(x)) for x in leaves]
 
-    def _param_spec(self, x, dim):
-        if dim is None:
-            return P()
-        return P(*([None] * dim), self._shard_spec)
-
-    def _compressed(self, i: int) -> bool:
-        """Whether sharded leaf ``i`` goes through the codecs: values per
-        gather (per layer for a ``layers`` leaf) at least
-        ``min_compress_size``."""
-        shape = self._shapes[i]
-        n = int(np.prod(shape))
-        return (n // shape[0] if self._layers[i] else n) >= self.config.min_compress_size
+    def _specs(self, i: int, manual: bool) -> P:
+        """Leaf ``i``'s PartitionSpec: over the data axes only (``manual``:
+        what ``shard_map`` takes), or over every axis."""
+        dim = self._dims[i]
+        entries = [None] * len(self._shapes[i]) if manual else list(self._model[i])
+        if dim is not None:
+            entries[dim] = self._shard_spec
+        while entries and entries[-1] is None:  # P("fsdp"), as one writes it
+            entries.pop()
+        return P(*entries)
 
     def _residual_shape(self, i: int) -> tuple | None:
-        """What one device compresses of leaf ``i`` (its residual's shape)."""
-        cfg, dim = self.config, self._dims[i]
-        if dim is None or cfg.gradients is None or not cfg.error_feedback:
-            return None
-        if not self._compressed(i):
-            return None
-        shape = list(self._shapes[i])
-        if cfg.replicate_over is not None:
-            shape[dim] //= self._shard_size  # the shard
-        elif len(self._shard_axes) == 2:
-            shape[dim] //= self.mesh.shape[self._shard_axes[1]]  # the slow hop's input
-        return tuple(shape)
+        return _residual_shape(
+            self.config, self._dims[i], self._shapes[i], self._layers[i], self._shard_sizes()
+        )
+
+    def _shard_sizes(self) -> tuple:
+        return tuple(self.mesh.shape[a] for a in self._shard_axes)
 
     def init(self, params) -> tuple[Any, ShardedState]:
-        """Lays ``params`` (a pytree of arrays) out sharded and creates the
-        state.
+        """Lays ``params`` out sharded and creates the state.
 
+        Args:
+          params: a pytree of arrays (host arrays, or arrays laid out over
+            the mesh's model axes, a layout the step keeps), or a Flax NNX
+            module (its ``nnx.Param`` variables are trained; the loss gets
+            the module, with its other variables, such as an ``nnx.Rngs``,
+            kept by the step and a stream per device).
         Returns:
           ``(params, state)``: the parameters, each leaf sharded along its
           dimension 0 (1 for ``layers`` leaves) over the sharding axes, and
-          the :class:`ShardedState` of every device's shards.
+          the :class:`ShardedState`.
         """
-        if _is_module(params):
-            raise TypeError(
-                "jc.data_parallel(shard_params=...) takes a pytree of parameters; for a Flax "
-                "NNX model pass nnx.state(model, nnx.Param) and rebuild it in the loss"
-            )
+        params = self._take_module(params)
+        self._plan(params)
         leaves, treedef = jax.tree.flatten(params)
-        self._dims, self._layers = self._plan(params)
-        self._shapes = [tuple(x.shape) for x in leaves]
-        specs = [self._param_spec(x, d) for x, d in zip(leaves, self._dims, strict=True)]
         self._treedef = treedef
-        self._param_specs = treedef.unflatten(specs)
-        shardings = jax.tree.map(lambda s: NamedSharding(self.mesh, s), self._param_specs)
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
-        shapes = [self._residual_shape(i) for i in range(len(leaves))]
-        self._residual_shapes = shapes
-        per_device = P(self._all)
+        n = len(leaves)
+        self._manual_specs = treedef.unflatten([self._specs(i, True) for i in range(n)])
+        self._param_shardings = treedef.unflatten(
+            [NamedSharding(self.mesh, self._specs(i, False)) for i in range(n)]
+        )
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_shardings)(
+            params
+        )
+        self._residual_shapes = [self._residual_shape(i) for i in range(n)]
+        self._residual_shardings = tuple(
+            NamedSharding(self.mesh, P(self._all, *self._model[i]))
+            for i, s in enumerate(self._residual_shapes)
+            if s is not None
+        )
+        shapes = [(self.num_devices, *s) for s in self._residual_shapes if s is not None]
+        residuals = jax.jit(
+            lambda: tuple(jnp.zeros(s, jnp.float32) for s in shapes),
+            out_shardings=self._residual_shardings,
+        )()
+        self._opt_shardings = self._state_shardings(params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings)(params)
+        count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        return params, ShardedState(opt_state, residuals, count)
 
-        def local_init(p):
-            res = tuple(jnp.zeros((1, *s), jnp.float32) for s in shapes if s is not None)
-            return _stack(self.tx.init(p)), res
-
-        opt, res = jax.jit(
-            jax.shard_map(
-                local_init,
-                mesh=self.mesh,
-                in_specs=(self._param_specs,),
-                out_specs=per_device,
-                check_vma=False,
+    def _state_shardings(self, params):
+        """The layout of ``tx.init(params)``: what JAX's sharding types give
+        it when the parameters are typed with their shardings (a moment made
+        by ``zeros_like`` is sharded as its parameter; a reduction or a new
+        array is replicated). Read on an Explicit copy of the mesh, whatever
+        the user's axis types."""
+        who = "jc.data_parallel(shard_params=...)"
+        try:
+            shapes = jax.eval_shape(self.tx.init, params)
+        except NameError as e:
+            raise ValueError(_averages_message(who, "tx.init", e)) from e
+        name = _averaging_transform(shapes)
+        if name is not None:
+            raise ValueError(
+                f"{who}: tx contains {name}, which averages the gradients over the devices "
+                "itself; in the sharded step each device holds other slices of the "
+                "parameters, so it would average different parameters. The step's own "
+                "collectives average the gradients (ShardParams(gradients=...) compresses "
+                "them): pass the optimizer alone, optax.adamw(1e-3) rather than "
+                f"optax.chain({name}(...), optax.adamw(1e-3))"
             )
-        )(params)
-        count = jax.device_put(jnp.zeros((), jnp.int32), NamedSharding(self.mesh, P()))
-        return params, ShardedState(opt, res, count)
+        names = self.mesh.axis_names
+        explicit = Mesh(self.mesh.devices, names, axis_types=(AxisType.Explicit,) * len(names))
+        typed = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=NamedSharding(explicit, s)
+            ),
+            params,
+            jax.tree.map(lambda s: s.spec, self._param_shardings),
+        )
+        found = []
 
-    def shard_batch(self, local_batch):
-        """A global batch from this process's part of it (as
-        ``jc.data_parallel``'s)."""
+        def init(p):
+            out = self.tx.init(p)
+            found.append(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, out))
+            return out
+
+        try:
+            with jax.set_mesh(explicit):
+                jax.eval_shape(init, typed)
+            specs = found[0]
+        except Exception:  # an init that sharding types refuse: by shape instead
+            specs = _specs_by_shape(shapes, params, self._param_shardings)
         return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
-            local_batch,
+            lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
 
     # -- the step --------------------------------------------------------------
@@ -446,36 +522,32 @@ class ShardedDataParallel:
     def lower(self, params, state: ShardedState, batch, key: jax.Array | None = None):
         """The step lowered for these arguments (``jax.stages.Lowered``):
         ``.compile()`` gives the executable whose ``memory_analysis()`` and
-        ``as_text()`` (the collectives and their bytes) the step runs, from
-        the same cache as the calls."""
-        if self._dims is None:
-            raise ValueError("jc.data_parallel: call init(params) before the step")
-        if self._step is None:
-            self._step = self._build()
+        ``as_text()`` (the collectives and their bytes) the step runs."""
         keys = () if key is None else (key,)
-        return self._step.lower(params, state, batch, *keys)
+        return self._built().lower(params, state, batch, self._rest(), *keys)
 
     def __call__(self, params, state: ShardedState, batch, key: jax.Array | None = None):
         """One step: ``(params, state, loss)`` (``(loss, aux)`` with
         ``has_aux``), the loss averaged over the devices."""
+        self._check_batch(batch)
+        keys = () if key is None else (key,)
+        self._built()
+        params, state, out, changed = self._dispatch(params, state, batch, self._rest(), *keys)
+        self._keep_rest(changed)
+        return params, state, out
+
+    def _built(self):
         if self._dims is None:
             raise ValueError("jc.data_parallel: call init(params) before the step")
         if self._step is None:
             self._step = self._build()
-        keys = () if key is None else (key,)
-        return self._step(params, state, batch, *keys)
-
-    def _lay_out(self, x):
-        """``x`` sharded as ``batch_sharding``, inside the jitted step."""
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        if all(types[a] == jax.sharding.AxisType.Explicit for a in self._axes):
-            return jax.sharding.reshard(x, self.batch_sharding)
-        return lax.with_sharding_constraint(x, self.batch_sharding)
+        return self._step
 
     def _spec_of(self, i: int) -> _Spec:
         """The static spec of sharded leaf ``i``'s gathers."""
         cfg, dim = self.config, self._dims[i]
-        on = self._compressed(i)
+        on = _compressed(cfg, self._shapes[i], self._layers[i])
+        model = self._model[i][1:] if self._layers[i] else self._model[i]
         return _Spec(
             dim=dim - len(self._shapes[i]),
             shard_axes=self._shard_axes,
@@ -484,13 +556,34 @@ class ShardedDataParallel:
             parameters=cfg.parameters if on else None,
             feedback=on and cfg.error_feedback and cfg.gradients is not None,
             devices=self.num_devices,
+            model=model,
+            path=self._paths[i],
         )
+
+    def _update(self, grads, opt_state, params):
+        """``tx``'s update on global arrays, partitioned by XLA."""
+
+        def update(g, o, p):
+            updates, o = self.tx.update(g, o, p)
+            return optax.apply_updates(p, updates), o
+
+        shardings = (self._param_shardings, self._opt_shardings)
+        if self._explicit:  # XLA lays out what the update computes in between
+            update = jax.sharding.auto_axes(update, out_sharding=shardings)
+        try:
+            out = update(grads, opt_state, params)
+        except NameError as e:  # a collective over a data axis, which is not bound here
+            raise ValueError(
+                _averages_message("jc.data_parallel(shard_params=...)", "tx", e)
+            ) from e
+        if not self._explicit:
+            out = lax.with_sharding_constraint(out, shardings)
+        return out
 
     def _build(self):
         cfg, dims, treedef = self.config, self._dims, self._treedef
         axes = self._all
-        per_device = P(axes)
-        # Leaf i's residual is state.residuals[slot[i]] (None: it has none);
+        # Leaf i's residual is residuals[slot[i]] (None: it has none);
         # leaf_ndim[j]: the dimensions of one gather's residual in slot j
         # (a layers leaf's residual has a leading layer axis besides).
         slot, n, leaf_ndim = [], 0, []
@@ -499,35 +592,35 @@ class ShardedDataParallel:
             if s is not None:
                 n += 1
                 leaf_ndim.append(len(s) - layer)
+        specs = [None if d is None else self._spec_of(i) for i, d in enumerate(dims)]
 
-        def local(params, state, batch, *key):
-            opt = jax.tree.map(lambda a: a[0], state.opt_state)
-            residuals = tuple(r[0] for r in state.residuals)
-            base = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
-            args = ()
+        def local(params, residuals, batch, rest, count, *key):
+            residuals = tuple(r[0] for r in residuals)
+            base = jax.random.fold_in(jax.random.key(cfg.seed), count)
+            args = (batch,)
             if key:
-                args = (jax.random.fold_in(key[0], lax.axis_index(axes)),)
+                args += (jax.random.fold_in(key[0], lax.axis_index(axes)),)
+            rest = _per_device_streams(rest, axes)
+            mutated: list = []
 
-            def loss_of(shards, residuals, probes):
-                leaves = treedef.flatten_up_to(shards)
+            def loss_of(shards, residuals, probes, rest):
                 built = []
-                for i, (x, dim) in enumerate(zip(leaves, dims, strict=True)):
+                for i, x in enumerate(treedef.flatten_up_to(shards)):
+                    if dims[i] is None:
+                        built.append(x)
+                        continue
                     r, probe = (
                         (None, None) if slot[i] is None else (residuals[slot[i]], probes[slot[i]])
                     )
-                    if dim is None:
-                        built.append(x)
-                        continue
-                    spec = self._spec_of(i)
                     k = jax.random.fold_in(base, i)
                     if self._layers[i]:  # one key per layer, gathered by the loss
                         ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(
                             jnp.arange(x.shape[0])
                         )
-                        built.append(Shard(x, r, ks, probe, spec))
+                        built.append(Shard(x, r, ks, probe, specs[i]))
                     else:
-                        built.append(_gather(spec, x, r, k, probe))
-                return self.loss_fn(treedef.unflatten(built), batch, *args)
+                        built.append(_gather(specs[i], x, r, k, probe))
+                return self._loss(treedef.unflatten(built), rest, *args, mutated=mutated)
 
             # A residual comes back as its "gradient" where its gather's
             # backward pass ran (the probe's gradient is 1 there), else as it
@@ -535,71 +628,323 @@ class ShardedDataParallel:
             probes = tuple(
                 jnp.zeros(r.shape[: r.ndim - leaf_ndim[j]]) for j, r in enumerate(residuals)
             )
-            grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1, 2), has_aux=self.has_aux)
-            out, (grads, new_res, ran) = grad_fn(params, residuals, probes)
+            grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1, 2), has_aux=True)
+            (loss, (aux, rest)), (grads, new_res, ran) = grad_fn(params, residuals, probes, rest)
             new_res = tuple(
                 jnp.where(g.reshape(g.shape + (1,) * (r.ndim - g.ndim)) > 0, n, r)
                 for g, n, r in zip(ran, new_res, residuals, strict=True)
             )
-            # Replicated leaves (scalars): their gradients averaged exactly.
+            # Replicated leaves: their gradients averaged exactly.
             g = treedef.flatten_up_to(grads)
             g = [lax.pmean(x, axes) if d is None else x for x, d in zip(g, dims, strict=True)]
-            grads = treedef.unflatten(g)
-            # A step whose mean gradient is not finite changes nothing: the
-            # parameters, the optimizer state and the residuals stay as they
-            # were (every device agrees: the flag is reduced over the mesh).
-            ok = lax.pmin(all_finite(jax.tree.leaves((grads, new_res))).astype(jnp.int32), axes)
-            ok = ok.astype(bool)
-            updates, new_opt = self.tx.update(grads, opt, params)
-            new_params = optax.apply_updates(params, updates)
-            params, opt, new_res = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old),
-                (new_params, new_opt, new_res),
-                (params, opt, residuals),
+            # A step whose mean gradient is not finite changes nothing (every
+            # device agrees: the flag is reduced over the data axes).
+            ok = all_finite(jax.tree.leaves((g, new_res))).astype(jnp.int32)
+            ok = lax.pmin(ok, axes).astype(bool)
+            out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
+            return (
+                treedef.unflatten(g),
+                tuple(r[None] for r in new_res),
+                ok,
+                out,
+                _average_mutated(rest, mutated, axes),
             )
-            loss, aux = out if self.has_aux else (out, None)
-            loss = lax.pmean(loss, axes)
-            if self.has_aux:
-                aux = jax.tree.map(lambda a: lax.pmean(a, axes), aux)
-            out = (loss, aux) if self.has_aux else loss
-            new_state = ShardedState(_stack(opt), _stack(new_res), state.step + 1)
-            return params, new_state, out
 
-        def step(params, state, batch, *key):
-            batch = jax.tree.map(self._lay_out, batch)
-            state_spec = ShardedState(
-                jax.tree.map(lambda _: per_device, state.opt_state),
-                jax.tree.map(lambda _: per_device, state.residuals),
-                P(),
-            )
+        def step(params, state, batch, rest, *key):
+            batch = jax.tree.map(self._lay_out_batch, batch)
+            per_device = tuple(P(axes) for _ in state.residuals)
             f = jax.shard_map(
                 local,
                 mesh=self.mesh,
                 in_specs=(
-                    self._param_specs,
-                    state_spec,
-                    jax.tree.map(lambda _: per_device, batch),
+                    self._manual_specs,
+                    per_device,
+                    jax.tree.map(lambda _: P(axes), batch),
+                    P(),
+                    P(),
                     *((P(),) * len(key)),
                 ),
-                out_specs=(self._param_specs, state_spec, P()),
+                out_specs=(self._manual_specs, per_device, P(), P(), P()),
+                axis_names=frozenset(self._axes),
                 check_vma=False,
             )
-            return f(params, state, batch, *key)
+            grads, residuals, ok, out, changed = f(
+                params, state.residuals, batch, rest, state.step, *key
+            )
+            new_params, opt_state = self._update(grads, state.opt_state, params)
+            params, opt_state, residuals = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old),
+                (new_params, opt_state, residuals),
+                (params, state.opt_state, state.residuals),
+            )
+            return params, ShardedState(opt_state, residuals, state.step + 1), out, changed
 
         return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
 
+    # -- another mesh ----------------------------------------------------------
 
-def _stack(tree):
-    """Every leaf with a leading axis of one entry (this device's)."""
-    return jax.tree.map(lambda a: jnp.asarray(a)[None], tree)
+    def relayout(
+        self,
+        state: ShardedState,
+        *,
+        from_axis_sizes: int | tuple | None = None,
+        from_shard_params: ShardParams | None = None,
+    ) -> ShardedState:
+        """A :class:`ShardedState` saved by a sharded step on another mesh
+        (another number of devices, or a two-level mesh), laid out for this
+        step (after :meth:`init`), with what the residuals owe kept.
+
+        ``tx``'s state is global and moves as it is; the step counter too.
+        A residual is what its device still owes the mean: for every
+        parameter element, the sum of what every device owes it over the
+        number of devices. That sum is kept exactly (up to one float32
+        rounding), spread evenly over the new devices that hold the element.
+
+        Args:
+          state: the saved state (host arrays, or arrays in any layout, as
+            orbax restores them).
+          from_axis_sizes: the sizes of the saved mesh's data axes, in the
+            order of ``from_shard_params.data_axes`` (one int for one
+            axis); None: read from the residuals for one axis.
+          from_shard_params: the saved step's :class:`ShardParams`, if it is
+            not this step's (another ``axis``/``replicate_over`` mode).
+        Returns:
+          The state, laid out as :meth:`init` lays it out.
+        """
+        if self._dims is None:
+            raise ValueError("jc.data_parallel: call init(params) before relayout(state)")
+        old_cfg = self.config if from_shard_params is None else from_shard_params
+        old_sizes = _saved_sizes(old_cfg, from_axis_sizes, state.residuals)
+        old_shapes = [
+            _residual_shape(old_cfg, d, s, layer, _shard_part(old_cfg, old_sizes))
+            for d, s, layer in zip(self._dims, self._shapes, self._layers, strict=True)
+        ]
+        saved = list(state.residuals)
+        if len(saved) != sum(s is not None for s in old_shapes):
+            raise ValueError(
+                f"jc.data_parallel: relayout got {len(saved)} residuals, but the saved step "
+                f"keeps {sum(s is not None for s in old_shapes)} (one per parameter with error "
+                "feedback): pass from_shard_params=, the ShardParams the state was saved with"
+            )
+        new_sizes = tuple(self.mesh.shape[a] for a in self.config.data_axes)
+        out, it = [], iter(saved)
+        for i, (old, new) in enumerate(zip(old_shapes, self._residual_shapes, strict=True)):
+            owed = None
+            if old is not None:
+                r = np.asarray(jax.device_get(next(it)), np.float64)
+                if r.shape[1:] != old:
+                    raise ValueError(
+                        f"jc.data_parallel: relayout: the residual of {self._paths[i]} has shape "
+                        f"{r.shape}, not ({int(np.prod(old_sizes))}, *{old}) as the saved step "
+                        f"on data axes of sizes {old_sizes} keeps it"
+                    )
+                owed = _owed(old_cfg, old_sizes, self._dims[i], r, self._shapes[i])
+            if new is None:
+                if owed is not None and np.any(owed):
+                    raise ValueError(
+                        f"jc.data_parallel: relayout: {self._paths[i]} has a residual in the "
+                        "saved state, but this step keeps none for it (no error feedback, or "
+                        "below min_compress_size): what it owes would be lost. Build the step "
+                        "with the saved state's error feedback"
+                    )
+                continue
+            if owed is None:
+                owed = np.zeros(self._shapes[i])
+            out.append(_spread(self.config, new_sizes, self._dims[i], owed).astype(np.float32))
+        residuals = tuple(
+            jax.device_put(r, s) for r, s in zip(out, self._residual_shardings, strict=True)
+        )
+        expected = jax.tree.structure(self._opt_shardings)
+        if jax.tree.structure(state.opt_state) != expected:
+            raise ValueError(
+                "jc.data_parallel: relayout: the saved opt_state does not have the structure "
+                "of tx.init(params) (is it from another optimizer?)"
+            )
+        opt_state = jax.device_put(state.opt_state, self._opt_shardings)
+        return ShardedState(opt_state, residuals, jax.device_put(state.step, self.replicated))
 
 
-def _is_module(x) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is optional
-        return False
-    return isinstance(x, nnx.Module)
+# -- planning, shared by init and relayout ---------------------------------------
+
+
+def _plan(cfg: ShardParams, params, k: int, model_entries) -> tuple[list, list, list]:
+    """Per leaf of ``params``: the sharded dimension (None: replicated), whether
+    it is a ``layers`` leaf, its model-axis entries; checked against ``k``
+    sharding devices."""
+    dims, layers, model = [], [], []
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        layer = bool(cfg.layers is not None and cfg.layers(path, x))
+        dim = 1 if layer else 0
+        if cfg.shard_dim is not None:
+            dim = cfg.shard_dim(path, x)
+        name = jax.tree_util.keystr(path)
+        shape = tuple(np.shape(x))
+        entries = model_entries(x)
+        if cfg.shard_dim is None and len(shape) > dim and entries[dim] is not None:
+            # The default dimension is laid out over a model axis: the first
+            # other one that divides, else replicated over the data axes.
+            free = [d for d in range(dim, len(shape)) if entries[d] is None and shape[d] % k == 0]
+            dim = free[0] if free else None
+        if layer and (dim is None or dim < 1 or dim >= len(shape)):
+            raise ValueError(
+                f"jc.data_parallel: ShardParams(layers=...) matched {name} of shape {shape}, "
+                "which is not a stack of layers as layers= means: a stacked leaf has a leading "
+                "layer axis and at least one more, and is sharded along one of the others "
+                f"(shard_dim gave {dim!r}). Leave {name} out of layers="
+            )
+        if layer and entries[0] is not None:
+            raise ValueError(
+                f"jc.data_parallel: {name} is a layers leaf, and its layer axis is laid out over "
+                f"{entries[0]!r}; the scan over layers needs every layer on every device"
+            )
+        if dim is not None and not 0 <= dim < max(len(shape), 1):
+            raise ValueError(
+                f"jc.data_parallel: shard_dim gave {dim!r} for {name} of shape "
+                f"{shape}: a dimension of the leaf, or None to replicate it"
+            )
+        layers.append(layer)
+        model.append(entries)
+        if dim is None or not shape:
+            dims.append(None)  # replicated, its gradient averaged exactly
+            continue
+        if entries[dim] is not None:
+            raise ValueError(
+                f"jc.data_parallel: {name} of shape {shape} is laid out over {entries[dim]!r} "
+                f"along its dimension {dim}, the one the step shards over {cfg.axis!r}: shard "
+                "it along another dimension (ShardParams(shard_dim=...)), or lay it out over "
+                "the model axis along another"
+            )
+        if shape[dim] % k:
+            stacked = not layer and len(shape) >= 3 and dim == 0 and shape[1] % k == 0
+            hint = (
+                " If its dimension 0 is a stack of layers (a model scanned over them), name "
+                "it in ShardParams(layers=...): it is then sharded along dimension 1 and "
+                "gathered one layer at a time."
+                if stacked
+                else ""
+            )
+            raise ValueError(
+                f"jc.data_parallel: parameter {name} of shape {shape} cannot be "
+                f"sharded: its dimension {dim} ({shape[dim]}) is not a multiple of the "
+                f"{k} devices of {cfg.axis!r}.{hint} {'Otherwise pad' if hint else 'Pad'} that "
+                f"dimension to a multiple of {k} (a vocabulary, say), shard it along another "
+                "dimension "
+                "(ShardParams.shard_dim), or use a mesh whose sharding axes divide it"
+            )
+        dims.append(dim)
+    return dims, layers, model
+
+
+def _compressed(cfg: ShardParams, shape: tuple, layer: bool) -> bool:
+    """Whether a sharded leaf goes through the codecs: values per gather
+    (per layer for a ``layers`` leaf) at least ``min_compress_size``."""
+    n = int(np.prod(shape))
+    return (n // shape[0] if layer else n) >= cfg.min_compress_size
+
+
+def _residual_shape(cfg: ShardParams, dim, shape: tuple, layer: bool, shard_sizes: tuple):
+    """What one device compresses of a leaf (its residual's shape), or None."""
+    if dim is None or cfg.gradients is None or not cfg.error_feedback:
+        return None
+    if not _compressed(cfg, shape, layer):
+        return None
+    shape = list(shape)
+    if cfg.replicate_over is not None or len(shard_sizes) == 2:
+        shape[dim] //= shard_sizes[-1]  # HSDP's shard; (slow, fast): the slow hop's input
+    return tuple(shape)
+
+
+def _saved_sizes(cfg: ShardParams, sizes, residuals) -> tuple:
+    """The saved mesh's data-axis sizes (``cfg.data_axes``' order)."""
+    n_axes = len(cfg.data_axes)
+    if sizes is None:
+        if n_axes != 1:
+            raise ValueError(
+                "jc.data_parallel: relayout of a state saved on a two-level mesh needs "
+                f"from_axis_sizes= (the sizes of {list(cfg.data_axes)})"
+            )
+        rows = {np.shape(r)[0] for r in residuals}
+        if len(rows) > 1:
+            raise ValueError(f"jc.data_parallel: relayout: residuals of {sorted(rows)} rows")
+        return (rows.pop(),) if rows else (1,)
+    sizes = tuple(sizes) if isinstance(sizes, (tuple, list)) else (int(sizes),)
+    if len(sizes) != n_axes:
+        raise ValueError(
+            f"jc.data_parallel: relayout: from_axis_sizes={sizes!r}, but the saved step's data "
+            f"axes are {list(cfg.data_axes)}"
+        )
+    return sizes
+
+
+def _shard_part(cfg: ShardParams, sizes: tuple) -> tuple:
+    """The sharding axes' sizes among the data axes' ``sizes``."""
+    return sizes[1:] if cfg.replicate_over is not None else sizes
+
+
+def _owed(cfg: ShardParams, sizes: tuple, dim: int, r: np.ndarray, shape: tuple) -> np.ndarray:
+    """What every device's residual (``r``: one row per device, the data axes
+    row-major) owes the mean, per parameter element, float64 in the leaf's
+    shape: ``sum over devices of the residual at its position / devices``."""
+    devices = int(np.prod(sizes))
+    full = np.zeros(np.moveaxis(np.zeros(shape, np.int8), dim, 0).shape)
+    moved = np.moveaxis(r, dim + 1, 1)  # [devices, rows, ...]
+    if cfg.replicate_over is not None:  # HSDP: device (s, f) owes shard f
+        s, f = sizes
+        blocks = full.reshape(f, -1, *full.shape[1:])
+        blocks += moved.reshape(s, f, *moved.shape[1:]).sum(0)
+    elif len(sizes) == 2:  # (slow, fast): row s' of device (s, f) is block s'*F + f
+        s, f = sizes
+        blocks = full.reshape(s, f, -1, *full.shape[1:])  # [s', f, rows/P, ...]
+        parts = moved.reshape(s, f, s, -1, *moved.shape[2:]).sum(0)  # [f, s', rows/P, ...]
+        blocks += np.swapaxes(parts, 0, 1)
+    else:  # one axis: every device owes the whole parameter
+        full += moved.sum(0)
+    return np.moveaxis(full / devices, 0, dim)
+
+
+def _spread(cfg: ShardParams, sizes: tuple, dim: int, owed: np.ndarray) -> np.ndarray:
+    """Residuals, one row per device, that owe ``owed`` (:func:`_owed`'s
+    inverse, the amount spread evenly over the devices holding each
+    element)."""
+    devices = int(np.prod(sizes))
+    moved = np.moveaxis(owed, dim, 0)
+    if cfg.replicate_over is not None:  # (s, f) holds shard f: S devices owe it
+        s, f = sizes
+        shards = moved.reshape(f, -1, *moved.shape[1:]) * (devices / s)
+        rows = np.broadcast_to(shards[None], (s, *shards.shape)).reshape(devices, *shards.shape[1:])
+    elif len(sizes) == 2:  # row s' of (s, f) is block s'*F + f: S devices owe it
+        s, f = sizes
+        blocks = moved.reshape(s, f, -1, *moved.shape[1:]) * (devices / s)  # [s', f, ...]
+        per_fast = np.swapaxes(blocks, 0, 1).reshape(f, -1, *moved.shape[1:])  # [f, rows/F, ...]
+        rows = np.broadcast_to(per_fast[None], (s, *per_fast.shape))
+        rows = rows.reshape(devices, *per_fast.shape[1:])
+    else:
+        rows = np.broadcast_to(moved[None], (devices, *moved.shape))
+    return np.moveaxis(np.ascontiguousarray(rows), 1, dim + 1)
+
+
+def _specs_by_shape(shapes, params, shardings):
+    """A state leaf's layout from the parameters' when sharding types cannot
+    say it: a leaf shaped like exactly one layout of the parameters' takes
+    it; every other leaf is replicated."""
+    by_shape: dict = {}
+    for x, s in zip(jax.tree.leaves(params), jax.tree.leaves(shardings), strict=True):
+        by_shape.setdefault(tuple(np.shape(x)), set()).add(s.spec)
+
+    def spec(leaf):
+        found = by_shape.get(tuple(leaf.shape), set())
+        return next(iter(found)) if len(found) == 1 else P()
+
+    return jax.tree.map(spec, shapes)
+
+
+def _averages_message(who: str, what: str, e: Exception) -> str:
+    return (
+        f"{who}: {what} runs a collective over a mesh axis ({e}); in the sharded step the "
+        "optimizer runs on global arrays, outside shard_map, and the step's own collectives "
+        "average the gradients. Pass an optimizer without collectives (no lax.pmean, no "
+        "jc.optax.compress_gradients or jc.optax.pmean in the chain)"
+    )
 
 
 def _check_mesh(mesh: Mesh, axes: tuple, cfg: ShardParams) -> None:
@@ -618,11 +963,8 @@ def _check_mesh(mesh: Mesh, axes: tuple, cfg: ShardParams) -> None:
         )
     if len(set(axes)) != len(axes):
         raise ValueError(f"jc.data_parallel: shard_params names an axis twice: {list(axes)}")
-    others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-    if others:
+    if len(names_of(cfg.axis)) == 2 and cfg.replicate_over is not None:
         raise ValueError(
-            f"jc.data_parallel: the mesh has axes {others} besides the sharding axes "
-            f"{list(axes)}; the sharded step shards the parameters over "
-            f"{cfg.axis!r} (and replicates them over replicate_over, if set) and splits the "
-            "batch over all of them: pass a mesh of those axes only"
+            "jc.fsdp.ShardParams: replicate_over (HSDP) takes one sharding axis, got "
+            f"axis={cfg.axis!r}"
         )

@@ -70,7 +70,198 @@ def _is_nnx_module(x) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
-class DataParallel:
+class _StepBase:
+    """What both train steps (replicated and sharded) share: the batch's
+    layout, a Flax NNX model's split into trained parameters and the other
+    variables, the loss that rebuilds it, and the bound on the steps in
+    flight."""
+
+    accumulate_steps = 1
+
+    def _setup(self, loss_fn, tx, mesh, axes: tuple, has_aux, donate, max_in_flight) -> None:
+        self.loss_fn = loss_fn
+        self.tx = tx
+        self.mesh = mesh
+        self.has_aux = has_aux
+        self.donate = donate
+        self._axes = axes
+        self._data_spec = P(axes if len(axes) > 1 else axes[0])
+        self.batch_sharding = NamedSharding(mesh, self._data_spec)
+        self.replicated = NamedSharding(mesh, P())
+        self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
+        self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
+        self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
+        self._module = None  # (graphdef, parameter template, rest) for an NNX model
+        self._step = None  # the jitted step, built on the first call
+
+    def _model_entries(self, x) -> tuple:
+        """``x``'s layout over the mesh's axes other than the data axes (a
+        model axis), as the caller gave it: one PartitionSpec entry per
+        dimension (all None on a mesh of the data axes only)."""
+        sharding = getattr(x, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        mesh = getattr(sharding, "mesh", None)
+        ndim = np.ndim(x)
+        if spec is None or mesh is None or tuple(mesh.axis_names) != tuple(self.mesh.axis_names):
+            return (None,) * ndim
+        entries = []
+        for e in tuple(spec) + (None,) * (ndim - len(spec)):
+            kept = tuple(a for a in names_of(e) if a is not None and a not in self._axes)
+            entries.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+        return tuple(entries)
+
+    def _check_model_axes(self, entries: list) -> None:
+        """Refuses a mesh axis beyond the data axes that no parameter is laid
+        out over (``entries``: :meth:`_model_entries` of every leaf): every
+        device along it would compute the same step."""
+        used = {a for leaf in entries for e in leaf if e is not None for a in names_of(e)}
+        idle = [a for a in self.mesh.axis_names if a not in self._axes and a not in used]
+        idle = [a for a in idle if self.mesh.shape[a] > 1]
+        if idle:
+            raise ValueError(
+                f"jc.data_parallel: the mesh has axes {idle} besides the data axes "
+                f"{list(self._axes)}, and no parameter is laid out over them, so every device "
+                "along them would compute the same step. For tensor parallelism lay the "
+                "parameters out over the model axis first (jax.device_put(params, "
+                "NamedSharding(mesh, P(None, 'model')))); for HSDP pass "
+                "shard_params=jc.fsdp.ShardParams(axis=..., replicate_over=...); otherwise "
+                "pass a mesh of the data axes only"
+            )
+
+    def _take_module(self, params):
+        """``params`` as a pytree of arrays: an NNX module's ``nnx.Param``
+        variables as a pure dict, the module's structure and its other
+        variables kept for the loss (:meth:`_loss`)."""
+        if not _is_nnx_module(params):
+            return params
+        nnx = _nnx()
+        graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+        _check_replicated(rest, "init", self._axes)
+        template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
+        self._module = (graphdef, template, jax.device_put(rest, self.replicated))
+        return _to_pure_dict(nnx, state)
+
+    def _model_params(self, params):
+        """The parameters of one model (:meth:`module`)."""
+        return params
+
+    def module(self, params):
+        """The NNX module rebuilt from trained ``params`` and the other
+        variables as the last step left them (BatchNorm's running
+        statistics averaged over the devices), for evaluation or to write
+        back: ``nnx.update(model, nnx.state(step.module(params)))``."""
+        if self._module is None:
+            raise ValueError(
+                "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
+                "pytree of parameters, not an nnx.Module"
+            )
+        return self._merge(self._model_params(params), self._module[2])
+
+    def _merge(self, params, rest):
+        """The NNX module of ``params`` (a pure dict) and the other variables."""
+        nnx = _nnx()
+        graphdef, template, _ = self._module
+        state = jax.tree.map(lambda a: a, template)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state, rest)
+
+    def shard_batch(self, local_batch):
+        """A global batch from this process's part of it.
+
+        Args:
+          local_batch: a pytree of host arrays, the leading axis this
+            process's examples (all of the batch in a one-process job).
+        Returns:
+          Global arrays sharded over the data axes
+          (``jax.make_array_from_process_local_data``).
+        """
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local_batch,
+        )
+
+    def _rest(self):
+        """The NNX model's other variables for the next step (``()`` for a
+        pytree of parameters)."""
+        return () if self._module is None else self._module[2]
+
+    def _keep_rest(self, changed) -> None:
+        """Keeps the NNX variables a step set (``changed``: one entry per
+        leaf of the rest, None where the loss left it alone)."""
+        if any(c is not None for c in changed):
+            leaves, treedef = jax.tree.flatten(self._module[2])
+            new = [o if c is None else c for o, c in zip(leaves, changed, strict=True)]
+            self._module = (*self._module[:2], treedef.unflatten(new))
+
+    def _dispatch(self, *args):
+        """Runs the jitted step within the bound on the steps in flight."""
+        self._wait_for_room()
+        out = self._step(*args)
+        if self.max_in_flight is not None:
+            self._in_flight.append(out[2])  # the loss: ready when the step has finished
+        return out
+
+    def _wait_for_room(self) -> None:
+        """Blocks until fewer than ``max_in_flight`` steps are unfinished.
+
+        A step's outputs are ready once its program has finished on every
+        device (its loss is an output of that program), so waiting on the
+        oldest pending loss frees its slot without touching the parameters
+        that the next step donates.
+        """
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
+
+    def _check_batch(self, batch) -> None:
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError("jc.data_parallel: the batch has no arrays")
+        per = self.num_devices * self.accumulate_steps
+        for x in leaves:
+            if not np.ndim(x) or np.shape(x)[0] % per:
+                raise ValueError(
+                    f"jc.data_parallel: every batch array needs a leading (batch) axis that is "
+                    f"a multiple of {per} ({self.num_devices} data devices x accumulate_steps="
+                    f"{self.accumulate_steps}); got shape {np.shape(x)}"
+                )
+
+    def _loss(self, params, rest, *args, mutated: list):
+        """``(loss, (aux, rest))``: the user's loss and aux (None without
+        ``has_aux``) and, for an NNX model, its non-parameter variables after
+        the loss ran; ``mutated`` gets, at trace time, whether the loss set
+        each of them (BatchNorm's statistics) or left it as it was."""
+        if self._module is None:
+            out, new_rest = self.loss_fn(params, *args), rest
+        else:
+            # Variables made in this trace: the loss may set them (Flax refuses
+            # to set a Variable made in the trace outside value_and_grad's).
+            model = self._merge(params, jax.tree.map(lambda a: a, rest))
+            out = self.loss_fn(model, *args)
+            new_rest = _nnx().split(model, _nnx().Param, ...)[2]
+            if jax.tree.structure(new_rest) != jax.tree.structure(rest):
+                raise ValueError(
+                    "jc.data_parallel: the loss added or removed variables of the NNX module "
+                    "(nnx.sow, a lazily created variable); the step carries only the "
+                    "variables that init() saw. Return intermediates as aux (has_aux=True) "
+                    "and create other variables in the module's __init__."
+                )
+            old = jax.tree.leaves(rest)
+            mutated[:] = [n is not o for n, o in zip(jax.tree.leaves(new_rest), old, strict=True)]
+        loss, aux = out if self.has_aux else (out, None)
+        return loss, (aux, new_rest)
+
+    def _lay_out_batch(self, x):
+        """``x`` sharded as ``batch_sharding``, inside the jitted step: a
+        batch laid out otherwise (a host array, say) is resharded here
+        (shard_map takes it as it is on a mesh of Auto axes, but refuses a
+        mismatch on Explicit ones, jax.make_mesh's default)."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        if all(types[a] == jax.sharding.AxisType.Explicit for a in self._axes):
+            return jax.sharding.reshard(x, self.batch_sharding)
+        return lax.with_sharding_constraint(x, self.batch_sharding)
+
+
+class DataParallel(_StepBase):
     """A jitted data-parallel train step over ``mesh``: ``jc.data_parallel``.
 
     ``step = jc.data_parallel(loss_fn, tx, mesh)``, then
@@ -175,24 +366,12 @@ class DataParallel:
         shard_params: None = None,
     ):
         axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
-        self.loss_fn = loss_fn
-        self.tx = tx
-        self.mesh = mesh
+        self._setup(loss_fn, tx, mesh, axes, has_aux, donate, max_in_flight)
         self.axis_name = axis_name
-        self.has_aux = has_aux
         self.accumulate_steps = int(accumulate_steps)
-        self.donate = donate
-        self._axes = axes
-        self._data_spec = P(axes if len(axes) > 1 else axes[0])
-        self.batch_sharding = NamedSharding(mesh, self._data_spec)
-        self.replicated = NamedSharding(mesh, P())
         self.per_replica = NamedSharding(mesh, P(axes[0]))
-        self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
-        self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
         self.require_all_reduce = bool(require_all_reduce)
-        self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
-        self._module = None  # (graphdef, parameter template, rest) for an NNX model
-        self._step = None  # the jitted step, built on the first call
+        self._param_shardings = None  # the parameters' layout, from init() or the first step
         self._per_replica = False  # parameters laid out per replica (diloco)
 
     # -- state -------------------------------------------------------------
@@ -214,18 +393,15 @@ class DataParallel:
           ValueError: a parameter (or NNX variable) is sharded over the
             devices: the step would replicate it silently.
         """
-        if _is_nnx_module(params):
-            nnx = _nnx()
-            graphdef, state, rest = nnx.split(params, nnx.Param, ...)
-            _check_replicated((state, rest), "init")
-            template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), state)
-            self._module = (graphdef, template, jax.device_put(rest, self.replicated))
-            params = _to_pure_dict(nnx, state)
-        _check_replicated(params, "init")
+        params = self._take_module(params)
+        _check_replicated(params, "init", self._axes)
+        self._param_shardings = self._layout_of(params)
         # A copy: the step donates its parameters, and must not delete the caller's.
         # (device_put may reuse the caller's buffer on one device).
-        params = jax.device_put(params, self.replicated)
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self.replicated)(params)
+        params = jax.device_put(params, self._param_shardings)
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_shardings)(
+            params
+        )
         opt_state = init_state(self.tx, params, self.mesh, self.axis_name)
         self._per_replica = self._per_replica_of(opt_state)
         if self._per_replica:
@@ -235,12 +411,26 @@ class DataParallel:
             )(params)
         return params, opt_state
 
+    def _layout_of(self, params):
+        """The parameters' shardings: replicated over the data axes, laid
+        out over a model axis as given."""
+        self._check_model_axes([self._model_entries(x) for x in jax.tree.leaves(params)])
+        return jax.tree.map(
+            lambda x: NamedSharding(self.mesh, _spec(self._model_entries(x))), params
+        )
+
     def _per_replica_of(self, opt_state) -> bool:
         """Whether ``opt_state`` is that of an optimizer whose replicas keep
         parameters of their own (``jc.optax.diloco``), checked against what
         this step supports."""
         if not any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
             return False
+        others = [a for a in self.mesh.axis_names if a not in self._axes and self.mesh.shape[a] > 1]
+        if others:
+            raise ValueError(
+                f"jc.data_parallel: jc.optax.diloco keeps one copy of the parameters per replica "
+                f"and runs on a mesh of the data axes only, not one with {others} besides them"
+            )
         if len(self._axes) > 1:
             raise ValueError(
                 "jc.data_parallel: jc.optax.diloco runs over one data axis here, not the "
@@ -250,42 +440,10 @@ class DataParallel:
             )
         return True
 
-    def module(self, params):
-        """The NNX module rebuilt from trained ``params`` and the other
-        variables as the last step left them (BatchNorm's running
-        statistics averaged over the devices), for evaluation or to write
-        back: ``nnx.update(model, nnx.state(step.module(params)))``."""
-        if self._module is None:
-            raise ValueError(
-                "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
-                "pytree of parameters, not an nnx.Module"
-            )
-        if self._per_replica:
-            params = jax.tree.map(lambda a: a[0], params)
-        return self._merge(params, self._module[2])
-
-    def _merge(self, params, rest):
-        """The NNX module of ``params`` (a pure dict) and the other variables."""
-        nnx = _nnx()
-        graphdef, template, _ = self._module
-        state = jax.tree.map(lambda a: a, template)
-        nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(graphdef, state, rest)
-
-    def shard_batch(self, local_batch):
-        """A global batch from this process's part of it.
-
-        Args:
-          local_batch: a pytree of host arrays, the leading axis this
-            process's examples (all of the batch in a one-process job).
-        Returns:
-          Global arrays sharded over the data axes
-          (``jax.make_array_from_process_local_data``).
-        """
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
-            local_batch,
-        )
+    def _model_params(self, params):
+        if self._per_replica:  # one copy per replica: the first
+            return jax.tree.map(lambda a: a[0], params)
+        return params
 
     # -- the step ----------------------------------------------------------
 
@@ -315,21 +473,18 @@ class DataParallel:
         check_laid_out(opt_state)
         if self._step is None:
             self._per_replica = self._per_replica_of(opt_state)
+            if self._param_shardings is None:  # a state made without init()
+                self._param_shardings = self._layout_of(params)
             self._step = self._build()
         if self._per_replica:
             self._check_per_replica(params)
         else:
-            _check_replicated(params, "the step")
-        rest = () if self._module is None else self._module[2]
+            _check_replicated(params, "the step", self._axes)
         keys = () if key is None else (key,)  # jit traces each arity once
-        self._wait_for_room()
-        params, opt_state, out, changed = self._step(params, opt_state, batch, rest, *keys)
-        if self.max_in_flight is not None:
-            self._in_flight.append(out)
-        if any(c is not None for c in changed):
-            leaves, treedef = jax.tree.flatten(rest)
-            new = [o if c is None else c for o, c in zip(leaves, changed, strict=True)]
-            self._module = (*self._module[:2], treedef.unflatten(new))
+        params, opt_state, out, changed = self._dispatch(
+            params, opt_state, batch, self._rest(), *keys
+        )
+        self._keep_rest(changed)
         return params, opt_state, out
 
     def _check_per_replica(self, params) -> None:
@@ -345,62 +500,6 @@ class DataParallel:
                     f"replica, a leading axis of {self.num_devices} sharded over "
                     f"{self._axes[0]!r}, as init() returns them; got shape {np.shape(x)}"
                 )
-
-    def _wait_for_room(self) -> None:
-        """Blocks until fewer than ``max_in_flight`` steps are unfinished.
-
-        A step's outputs are ready once its program has finished on every
-        device (its loss is an output of that program), so waiting on the
-        oldest pending loss frees its slot without touching the parameters
-        that the next step donates.
-        """
-        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
-
-    def _check_batch(self, batch) -> None:
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("jc.data_parallel: the batch has no arrays")
-        per = self.num_devices * self.accumulate_steps
-        for x in leaves:
-            if not np.ndim(x) or np.shape(x)[0] % per:
-                raise ValueError(
-                    f"jc.data_parallel: every batch array needs a leading (batch) axis that is "
-                    f"a multiple of {per} ({self.num_devices} data devices x accumulate_steps="
-                    f"{self.accumulate_steps}); got shape {np.shape(x)}"
-                )
-
-    def _loss(self, params, rest, *args, mutated: list):
-        """``(loss, (aux, rest))``: the user's loss and aux (None without
-        ``has_aux``) and, for an NNX model, its non-parameter variables after
-        the loss ran; ``mutated`` gets, at trace time, whether the loss set
-        each of them (BatchNorm's statistics) or left it as it was."""
-        if self._module is None:
-            out, new_rest = self.loss_fn(params, *args), rest
-        else:
-            # Variables made in this trace: the loss may set them (Flax refuses
-            # to set a Variable made in the trace outside value_and_grad's).
-            model = self._merge(params, jax.tree.map(lambda a: a, rest))
-            out = self.loss_fn(model, *args)
-            new_rest = _nnx().split(model, _nnx().Param, ...)[2]
-            if jax.tree.structure(new_rest) != jax.tree.structure(rest):
-                raise ValueError(
-                    "jc.data_parallel: the loss added or removed variables of the NNX module "
-                    "(nnx.sow, a lazily created variable); the step carries only the "
-                    "variables that init() saw. Return intermediates as aux (has_aux=True) "
-                    "and create other variables in the module's __init__."
-                )
-            old = jax.tree.leaves(rest)
-            mutated[:] = [n is not o for n, o in zip(jax.tree.leaves(new_rest), old, strict=True)]
-        loss, aux = out if self.has_aux else (out, None)
-        return loss, (aux, new_rest)
-
-    def _lay_out_batch(self, x):
-        """``x`` sharded as ``batch_sharding``, inside the jitted step."""
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        if all(types[a] == jax.sharding.AxisType.Explicit for a in self._axes):
-            return jax.sharding.reshard(x, self.batch_sharding)
-        return lax.with_sharding_constraint(x, self.batch_sharding)
 
     def _build(self):
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
@@ -446,9 +545,6 @@ class DataParallel:
         def step(params, opt_state, batch, rest, *key):
             state_specs = partition_specs(opt_state, self.axis_name)
             own = self._data_spec if per_replica else P()  # parameters, metrics
-            # A batch laid out otherwise (a host array, say) is resharded here:
-            # shard_map takes it as is on a mesh of Auto axes, but refuses a
-            # mismatch on Explicit ones (jax.make_mesh's default).
             batch = jax.tree.map(self._lay_out_batch, batch)
             f = jax.shard_map(
                 local,
@@ -461,13 +557,26 @@ class DataParallel:
                     *((P(),) * len(key)),
                 ),
                 out_specs=(own, state_specs, own, P()),
+                # Manual over the data axes only: a model axis stays XLA's.
+                axis_names=frozenset(self._axes),
                 # jc.pmean's value is identical on every device but comes out of
                 # all_gathers that JAX types as per-device (docs/collectives.md).
                 check_vma=False,
             )
-            return f(params, opt_state, batch, rest, *key)
+            params, opt_state, out, changed = f(params, opt_state, batch, rest, *key)
+            if not per_replica:  # the parameters' layout over a model axis, as given
+                params = self._keep_layout(params)
+            return params, opt_state, out, changed
 
         return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
+
+    def _keep_layout(self, params):
+        if all(self.mesh.shape[a] == 1 for a in self.mesh.axis_names if a not in self._axes):
+            return params  # a mesh of the data axes: replicated, as shard_map returns them
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        if all(t == jax.sharding.AxisType.Explicit for t in types.values()):
+            return jax.sharding.reshard(params, self._param_shardings)
+        return lax.with_sharding_constraint(params, self._param_shardings)
 
     def _accumulate(self, grad_fn, params, rest, batch, key):
         """Gradient accumulation: the local batch in ``accumulate_steps``
@@ -663,14 +772,6 @@ def _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps) -> tuple:
             f"jc.data_parallel: axis_name {axis_name!r} is not an axis of the mesh, whose "
             f"axes are {mesh.axis_names}"
         )
-    others = [a for a in mesh.axis_names if a not in axes and mesh.shape[a] > 1]
-    if others:
-        raise ValueError(
-            f"jc.data_parallel: the mesh has axes {others} besides the data axes {axes}. "
-            "The step replicates the parameters over the whole mesh (pure data "
-            "parallelism); for model parallelism write the shard_map step by hand "
-            "(docs/training-loop.md), or pass a mesh of the data axes only."
-        )
     if not isinstance(accumulate_steps, (int, np.integer)) or accumulate_steps < 1:
         raise ValueError(
             f"jc.data_parallel: accumulate_steps must be an int >= 1, got {accumulate_steps!r}"
@@ -678,14 +779,20 @@ def _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps) -> tuple:
     return axes
 
 
-def _check_replicated(params, where: str) -> None:
-    """Raises for a parameter laid out sharded (any layout that is not a
-    full copy on every device): the step replicates the parameters, and
-    would otherwise gather it onto every device without a word."""
+def _check_replicated(params, where: str, axes: tuple) -> None:
+    """Raises for a parameter laid out sharded over the data ``axes`` (a
+    layout over the mesh's other axes, a model axis, is kept): the step
+    replicates the parameters over the data axes, and would otherwise
+    gather it onto every device without a word."""
 
     def sharded(x) -> bool:
         sharding = getattr(x, "sharding", None)
-        return sharding is not None and not sharding.is_fully_replicated
+        if sharding is None or sharding.is_fully_replicated:
+            return False
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            return True
+        return any(a in axes for e in spec if e is not None for a in names_of(e))
 
     if not any(sharded(x) for x in jax.tree.leaves(params)):
         return  # every step: no paths computed unless one is sharded
@@ -702,6 +809,14 @@ def _check_replicated(params, where: str) -> None:
             "device, replicate it yourself first: "
             "jax.device_put(params, NamedSharding(mesh, P()))."
         )
+
+
+def _spec(entries) -> P:
+    """The PartitionSpec of ``entries`` without trailing Nones (``P()``, as one writes it)."""
+    entries = list(entries)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
 
 
 def _to_pure_dict(nnx, state) -> dict:

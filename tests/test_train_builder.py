@@ -286,8 +286,8 @@ def test_misuse_raises_clear_errors():
     params0, batch = _mlp()
     with pytest.raises(ValueError, match=r"not an axis of the mesh, whose axes are \('data',\)"):
         jc.data_parallel(mlp_loss, tx, mesh, "batch")
-    with pytest.raises(ValueError, match="besides the data axes"):
-        jc.data_parallel(mlp_loss, tx, auto_mesh((4, 2), ("data", "model")), "data")
+    with pytest.raises(ValueError, match=r"besides the data axes.*no parameter is laid out"):
+        jc.data_parallel(mlp_loss, tx, auto_mesh((4, 2), ("data", "model")), "data").init(params0)
     with pytest.raises(TypeError, match=r"optax\.GradientTransformation"):
         jc.data_parallel(mlp_loss, optax.sgd, mesh)
     with pytest.raises(TypeError, match=r"jax\.sharding\.Mesh"):

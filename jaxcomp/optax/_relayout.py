@@ -94,6 +94,13 @@ def relayout(  # long: the public docstring; the body walks the states
       ValueError: the state does not fit ``tx`` and ``params`` (another
         structure, shapes, or server residuals of another layout).
     """
+    if getattr(opt_state, "_fields", None) == ("opt_state", "residuals", "step"):
+        raise ValueError(
+            f"{_WHO}: this is the state of a sharded step (jc.fsdp.ShardedState); move it with "
+            "the step's own relayout: step = jc.data_parallel(loss_fn, tx, mesh, "
+            "shard_params=...); params, _ = step.init(params); state = step.relayout(saved, "
+            "from_shard_params=...) (docs/fsdp.md, 'Another mesh')"
+        )
     with recording_plans() as plans:
         # A new function each call: jax caches the trace of tx.init itself.
         jax.eval_shape(lambda p: tx.init(p), params)
