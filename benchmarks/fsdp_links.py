@@ -237,7 +237,6 @@ def compute_row(args: argparse.Namespace) -> dict:
 
 
 def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
-    import jax
     import optax
 
     import jaxcomp as jc
@@ -263,10 +262,8 @@ def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
         return loss
 
     times = _timed(call, args.warmup, args.steps)
-    # The bytes, from the compiled program: the step's own jitted function
-    # (its executable is cached) where the step exposes it, else a copy.
-    jitted = getattr(step, "_step", None) or jax.jit(lambda p, s, b: step(p, s, b))
-    text = jitted.lower(carry[0], carry[1], batch).compile().as_text()
+    # The bytes, from the compiled program the calls ran (its executable is cached).
+    text = step.lower(carry[0], carry[1], batch).compile().as_text()
     sent = sent_bytes(text, args.procs)
     return {
         "step_times": times,

@@ -1,8 +1,8 @@
 """Sharded training across processes (jax.distributed on loopback, gloo CPU
-collectives): 2 processes x 4 devices give the parameters and residuals
-of the same steps on 8 devices of one process bit for bit (the compressed
+collectives): 2 processes x 4 devices give the residuals of the same
+steps on 8 devices of one process bit for bit (the compressed
 reduce-scatter sums in device order whichever way its all-to-all travels),
-and the same losses to rounding."""
+and the parameters and losses to rounding."""
 
 import os
 import pathlib
@@ -43,5 +43,13 @@ def test_two_processes_equal_one():
         # The loss is averaged by a float32 all-reduce, whose order of
         # addition is the backend's: equal to rounding.
         np.testing.assert_allclose(r.pop("losses"), one["losses"], rtol=1e-6)
+        # The residuals bit for bit. tx's update runs on global arrays that
+        # XLA partitions, and it may fuse the update of a one-process and a
+        # multi-process program differently: the parameters to float32
+        # rounding (a few ulps of their largest magnitude over the steps).
         for k in r:
-            np.testing.assert_array_equal(r[k], one[k], err_msg=k)
+            if k.startswith("r"):
+                np.testing.assert_array_equal(r[k], one[k], err_msg=k)
+            else:
+                tol = 8 * np.finfo(np.float32).eps * np.abs(one[k]).max()
+                np.testing.assert_allclose(r[k], one[k], rtol=0, atol=tol, err_msg=k)
