@@ -1,12 +1,14 @@
-"""Sharded training of the byte-level LM (examples/lm, ``--shard-params``):
-bytes per step per device read from the compiled step's HLO, memory per
-device (the compiled step's memory analysis and the persistent state as
-laid out), and held-out loss at equal steps, sharded float32 against
-compressed collectives, paired by seed.
+"""Sharded training, measured. On the byte-level LM (examples/lm,
+``--shard-params``): bytes per step per device read from the compiled
+step's HLO, memory per device (the compiled step's memory analysis and the
+persistent state as laid out), and held-out loss at equal steps, sharded
+float32 against compressed collectives, paired by seed. The same loss study
+on a second task, a transformer that learns to sort (benchmarks/sort_task.py).
 
     python benchmarks/fsdp.py --bytes --memory        # HLO and memory tables (minutes)
     python benchmarks/fsdp.py --accuracy              # the loss study (long: run it niced)
     python benchmarks/fsdp.py --accuracy --only hsdp-qsgd4-ef --seeds 0   # one row, one seed
+    python benchmarks/fsdp.py --accuracy --task sort  # the sort task (benchmarks/sort_task.py)
     python benchmarks/fsdp.py --render                # tables again from the JSON
 
 Run from the repository root, on 8 simulated CPU devices. Each part merges
@@ -36,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 RESULTS = ROOT / "benchmarks" / "results" / "fsdp.json"
 DOC = ROOT / "docs" / "fsdp.md"
-DATE = "2026-11-28"
+DATE = "2026-12-02"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,7 @@ class Design:
     error_feedback: bool = True
     replicas: int = 1  # HSDP: replicas x (8 / replicas)
     width: int = 64  # the model's (the default config's 64, or wider)
+    min_compress_size: int = 0  # leaves below it take exact collectives (the sort task's)
 
 
 QSGD4 = "qsgd:bits=4"
@@ -169,6 +172,72 @@ ACCURACY_ROWS = [
 ]
 
 
+B64 = ("qsgd:bits=4,bucket_size=64", "int8:bucket_size=64")
+# The sort task (benchmarks/sort_task.py): the recommended rows, and the
+# ablations that place their cost (the gradients or the weights, error
+# feedback's delay, the small leaves' buckets).
+SORT_DESIGNS = {
+    d.label: d
+    for d in [
+        Design("sort-f32", "sharded, float32"),
+        Design(
+            "sort-int8-qsgd4-b64",
+            "sharded, int8 AG + QSGD-4 RS, no EF, 64-value buckets",
+            codec=B64[0],
+            param_codec=B64[1],
+            error_feedback=False,
+        ),
+        Design(
+            "sort-int8-qsgd4-ef-b64",
+            "sharded, int8 AG + QSGD-4 RS + EF, 64-value buckets",
+            codec=B64[0],
+            param_codec=B64[1],
+        ),
+        Design(
+            "sort-int8-int8-ef-b64",
+            "sharded, int8 AG + int8 RS + EF, 64-value buckets",
+            codec=B64[1],
+            param_codec=B64[1],
+        ),
+        Design(
+            "sort-qsgd4-b64",
+            "sharded, float32 AG + QSGD-4 RS, no EF, 64-value buckets",
+            codec=B64[0],
+            error_feedback=False,
+        ),
+        Design(
+            "sort-int8-b64", "sharded, int8 AG + float32 RS, 64-value buckets", param_codec=B64[1]
+        ),
+        Design(
+            "sort-int8-qsgd4-b64-small-exact",
+            "sharded, int8 AG + QSGD-4 RS, no EF, 64-value buckets, leaves under 4096 exact",
+            codec=B64[0],
+            param_codec=B64[1],
+            error_feedback=False,
+            min_compress_size=4096,
+        ),
+        Design("sort-hsdp-f32", "HSDP 2x4, float32", replicas=2),
+        Design(
+            "sort-hsdp-qsgd4-b64",
+            "HSDP 2x4, QSGD-4 on the slow axis, no EF, 64-value buckets",
+            codec=B64[0],
+            replicas=2,
+            error_feedback=False,
+        ),
+        Design(
+            "sort-hsdp-qsgd4-ef-b64",
+            "HSDP 2x4, QSGD-4 on the slow axis + EF, 64-value buckets",
+            codec=B64[0],
+            replicas=2,
+        ),
+    ]
+}
+TASKS = {  # --task: its rows, its baseline, its results key and table marker
+    "lm": (DESIGNS, "sharded-f32", "accuracy"),
+    "sort": (SORT_DESIGNS, "sort-f32", "accuracy-sort"),
+}
+
+
 def lm_config(d: Design, **kw):
     from examples.lm.configs import default
 
@@ -271,36 +340,48 @@ def measure_memory(d: Design) -> dict:
 # -- accuracy ----------------------------------------------------------------------
 
 
-def run_accuracy(labels, seeds, steps, log) -> None:
+def _train_lm(d: Design, steps: int, seed: int) -> dict:
     from examples.lm import train
 
+    config = lm_config(d, steps=steps, seed=seed, log_every=max(1, steps // 4))
+    r = train.train_and_evaluate(config, verbose=False)
+    keys = ("test_loss", "test_accuracy", "bits_per_element", "wire_bytes", "steps")
+    return {k: r[k] for k in (*keys, "train_seconds")}
+
+
+def _train_sort(d: Design, steps: int, seed: int) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sort_task
+
+    c = sort_task.Config(
+        steps=steps,
+        seed=seed,
+        codec=None if d.codec == "float32" else d.codec,
+        param_codec=None if d.param_codec == "float32" else d.param_codec,
+        error_feedback=d.error_feedback,
+        replicas=d.replicas,
+        min_compress_size=d.min_compress_size,
+    )
+    return sort_task.train(c)
+
+
+def run_accuracy(task: str, labels, seeds, steps, log) -> None:
+    designs, _, key = TASKS[task]
+    train = _train_lm if task == "lm" else _train_sort
     for label in labels:
         for seed in seeds:
             results = load()
-            done = results.setdefault("accuracy", {}).setdefault(label, {})
+            done = results.setdefault(key, {}).setdefault(label, {})
             if str(seed) in done and done[str(seed)]["steps"] == steps:
                 continue
-            d = DESIGNS[label]
-            config = lm_config(d, steps=steps, seed=seed, log_every=max(1, steps // 4))
             t0 = time.time()
-            r = train.train_and_evaluate(config, verbose=False)
-            row = {
-                k: r[k]
-                for k in (
-                    "test_loss",
-                    "test_accuracy",
-                    "bits_per_element",
-                    "wire_bytes",
-                    "steps",
-                    "train_seconds",
-                )
-            }
+            row = train(designs[label], steps, seed)
             log(
-                f"{label} seed {seed}: held-out loss {r['test_loss']:.4f} "
+                f"{label} seed {seed}: held-out loss {row['test_loss']:.4f} "
                 f"({time.time() - t0:.0f} s)"
             )
             results = load()
-            results.setdefault("accuracy", {}).setdefault(label, {})[str(seed)] = row
+            results.setdefault(key, {}).setdefault(label, {})[str(seed)] = row
             save(results)
 
 
@@ -376,31 +457,36 @@ def memory_table(rows: list[dict]) -> str:
     )
 
 
-def accuracy_table(acc: dict) -> str:
-    if "sharded-f32" not in acc:
+def accuracy_table(acc: dict, task: str = "lm") -> str:
+    designs, base_label, _ = TASKS[task]
+    if base_label not in acc:
         return "(not measured)"
-    base = acc["sharded-f32"]
+    base = acc[base_label]
+    unit = "nats/byte" if task == "lm" else "nats/token"
     lines = [
-        "| design | seeds | held-out loss (nats/byte) | relative difference per seed (%) | "
-        "mean difference (%) ± SE |",
-        "|---|---|---|---|---|",
+        f"| design | seeds | held-out loss ({unit}) | relative difference per seed (%) | "
+        "absolute difference per seed | mean difference (%) ± SE |",
+        "|---|---|---|---|---|---|",
     ]
-    order = [k for k in ACCURACY_ROWS if k in acc] + [k for k in acc if k not in ACCURACY_ROWS]
+    rows = ACCURACY_ROWS if task == "lm" else list(SORT_DESIGNS)
+    order = [k for k in rows if k in acc] + [k for k in acc if k not in rows]
     for label, runs in ((k, acc[k]) for k in order):
         seeds = sorted(runs, key=int)
         loss = np.array([runs[s]["test_loss"] for s in seeds])
         line = (
-            f"| {DESIGNS[label].describe} | {', '.join(seeds)} | {loss.mean():.4f} "
+            f"| {designs[label].describe} | {', '.join(seeds)} | {loss.mean():.4f} "
             f"± {loss.std(ddof=1) if len(loss) > 1 else 0:.4f} |"
         )
         paired = [s for s in seeds if s in base]
-        if label == "sharded-f32" or not paired:
-            lines.append(line + " | |")
+        if label == base_label or not paired:
+            lines.append(line + " | | |")
             continue
         rel = np.array([100.0 * (runs[s]["test_loss"] / base[s]["test_loss"] - 1) for s in paired])
+        diff = [runs[s]["test_loss"] - base[s]["test_loss"] for s in paired]
         m, se = _mean_se(rel)
         per = ", ".join(f"{v:+.2f}" for v in rel)
-        lines.append(line + f" {per} | {m:+.2f} ± {se:.2f} |")
+        absolute = ", ".join(f"{v:+.4f}" for v in diff)
+        lines.append(line + f" {per} | {absolute} | {m:+.2f} ± {se:.2f} |")
     steps = {r["steps"] for runs in acc.values() for r in runs.values()}
     return "\n".join(lines) + (
         f"\n\nHeld-out loss after {', '.join(map(str, sorted(steps)))} steps (mean ± sd over "
@@ -426,6 +512,8 @@ def render(results: dict) -> None:
         tables["memory"] = memory_table(results["memory"])
     if "accuracy" in results:
         tables["accuracy"] = accuracy_table(results["accuracy"])
+    if "accuracy-sort" in results:
+        tables["accuracy-sort"] = accuracy_table(results["accuracy-sort"], "sort")
     for name, t in tables.items():
         print(f"\n{name}\n{t}")
     if DOC.exists():
@@ -450,9 +538,14 @@ def main() -> int:
     ap.add_argument("--memory", action="store_true", help="memory per device")
     ap.add_argument("--accuracy", action="store_true", help="held-out loss, paired by seed")
     ap.add_argument("--render", action="store_true", help="tables from the JSON only")
-    ap.add_argument("--only", nargs="+", choices=sorted(DESIGNS), help="these rows only")
+    ap.add_argument(
+        "--task", choices=sorted(TASKS), default="lm", help="--accuracy's task (lm: the LM)"
+    )
+    ap.add_argument(
+        "--only", nargs="+", choices=sorted({**DESIGNS, **SORT_DESIGNS}), help="these rows only"
+    )
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--steps", type=int, default=None, help="400 for the LM, 300 for sort")
     args = ap.parse_args()
 
     def log(msg):
@@ -476,8 +569,9 @@ def main() -> int:
     if args.memory:
         measured("memory", MEMORY_ROWS, measure_memory)
     if args.accuracy:
-        labels = args.only or ACCURACY_ROWS
-        run_accuracy(labels, args.seeds, args.steps, log)
+        rows = ACCURACY_ROWS if args.task == "lm" else list(SORT_DESIGNS)
+        steps = args.steps or (400 if args.task == "lm" else 300)
+        run_accuracy(args.task, args.only or rows, args.seeds, steps, log)
     render(load())
     return 0
 

@@ -671,11 +671,19 @@ class ShardedDataParallel(_StepBase):
             grads, residuals, ok, out, changed = f(
                 params, state.residuals, batch, rest, state.step, *key
             )
-            new_params, opt_state = self._update(grads, state.opt_state, params)
-            params, opt_state, residuals = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old),
-                (new_params, opt_state, residuals),
-                (params, state.opt_state, state.residuals),
+            # A step that is not finite changes nothing. A branch rather than a
+            # select of new against old: the update's buffers can then take the
+            # old ones' place, as they would without the rule.
+            params, opt_state = lax.cond(
+                ok,
+                lambda g, o, p: self._update(g, o, p),
+                lambda g, o, p: (p, o),
+                grads,
+                state.opt_state,
+                params,
+            )
+            residuals = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), residuals, state.residuals
             )
             return params, ShardedState(opt_state, residuals, state.step + 1), out, changed
 

@@ -48,9 +48,14 @@ def test_training_doc_example_runs():
 
 def test_fsdp_doc_examples_run():
     blocks, scope = _run_doc("fsdp.md")
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     assert math.isfinite(float(scope["loss"]))  # the stacked model's step
     assert scope["step"].num_devices == 8  # the HSDP step, over (2, 4)
+    from jax.sharding import PartitionSpec as P
+
+    assert scope["tp_params"]["w2"].sharding.spec == P("model", "fsdp")
+    assert math.isfinite(float(scope["tp_loss"]))
+    assert [r.shape[0] for r in scope["s4"].residuals] == [4, 4, 4]  # moved onto 4 devices
 
 
 def test_ci_runs_the_readme_test_command():
