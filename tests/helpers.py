@@ -153,9 +153,8 @@ def long_scan_options(steps: int) -> dict | None:
     """``jax.jit``'s ``compiler_options`` for a scan of ``steps`` training
     steps: XLA's default optimization level from 200 steps on, where the
     run is long enough to pay for the optimizations' compile time (CI
-    compiles the suite at level 0: docs/benchmarks.md, "CI"; the 1,000-step
-    conservation scan of test_optax takes 7.7 s at the default level
-    against 13.7 s at 0); None (the process's level) for shorter ones."""
+    compiles the suite at level 0: docs/development.md, "The tier flags");
+    None (the process's level) for shorter ones."""
     return {"xla_backend_optimization_level": 3} if steps >= 200 else None
 
 
