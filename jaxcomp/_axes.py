@@ -115,15 +115,14 @@ def _unbound(name: Hashable, who: str) -> str:
 
 
 def bound_axes() -> dict[str, int] | None:
-    """``{name: size}`` of the axes bound here (inside ``jax.shard_map`` or
-    ``jax.pmap``), ``{}`` outside them, or None where this JAX version does
-    not say (the axis environment is not public API: this only feeds error
-    messages)."""
+    """``{name: size}`` of the axes bound here (the manual axes of the mesh
+    inside ``jax.shard_map`` or ``jax.pmap``), ``{}`` outside them, or None
+    where this JAX version does not say (this only feeds error messages)."""
     try:
-        from jax._src import core
-
-        return dict(core.get_axis_env().axis_sizes)
-    except Exception:  # any change of the private API
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+        return {a: sizes[a] for a in mesh.manual_axes}
+    except Exception:  # an older JAX without the abstract mesh
         return None
 
 

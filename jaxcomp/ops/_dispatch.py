@@ -180,15 +180,7 @@ def _batched(args, dims, *, cpu, cuda, default, out_avals):
         return lambda *xs: tuple(jax.vmap(lambda *ys: tuple(fn(*ys)), in_axes=axes)(*xs))
 
     fns = {id(fn): vmapped(fn) for fn in (cpu, cuda, default)}  # identical branches stay so
-    try:  # the result types with the batch axis in front (not public API)
-        from jax._src import core
-
-        avals = tuple(core.unmapped_aval(size, 0, a) for a in out_avals)
-    except Exception:  # another JAX: every branch is traced now
-        outs = lax.platform_dependent(
-            *args, cpu=fns[id(cpu)], cuda=fns[id(cuda)], default=fns[id(default)]
-        )
-        return list(outs), [0] * len(out_avals)
+    avals = tuple(a.update(shape=(size, *a.shape)) for a in out_avals)  # the batch axis first
     outs = _call_p.bind(
         *args, cpu=fns[id(cpu)], cuda=fns[id(cuda)], default=fns[id(default)], out_avals=avals
     )
