@@ -343,11 +343,11 @@ class DataParallel(_StepBase):
                 "jc.data_parallel: with shard_params the axes are shard_params' "
                 f"(jc.fsdp.ShardParams(axis=...)); leave axis_name out, got {axis_name!r}"
             )
-        extra = set(kwargs) - {"has_aux", "donate"}
+        extra = set(kwargs) - {"has_aux", "donate", "max_in_flight"}
         if extra:
             raise ValueError(
-                f"jc.data_parallel: with shard_params the step takes has_aux and donate, not "
-                f"{sorted(extra)}"
+                "jc.data_parallel: with shard_params the step takes has_aux, donate and "
+                f"max_in_flight, not {sorted(extra)}"
             )
         return ShardedDataParallel(loss_fn, tx, mesh, shard_params, **kwargs)
 
