@@ -283,7 +283,7 @@ def compiled_step(d: Design):
     params, state = step.init(t.init_params(jax.random.key(0)))
     windows = np.zeros((config.global_batch_size, config.context + 1), np.int32)
     batch = jax.device_put(windows, step.batch_sharding)
-    compiled = step._build().lower(params, state, batch, ()).compile()
+    compiled = step.lower(params, state, batch).compile()
     del optax, common
     return compiled, t.mesh, params, state
 

@@ -226,7 +226,7 @@ def main() -> int:
             "loss": float(loss),
         }
         if args.ablate:
-            hlo = step._step.lower(p, s, batch, ()).compile().as_text()
+            hlo = step.lower(p, s, batch).compile().as_text()
             row["kernels"] = _kernels(hlo)
             print(f"  {name}: {row['kernels']}", flush=True)
             if args.hlo and name == "both levels":
@@ -236,7 +236,7 @@ def main() -> int:
             # The kernels the path put in the step: its lowered program's
             # custom calls (lowering is cheap; no second compile).
             with _cuda_auto(kind, path):
-                text = step._step.lower(p, s, batch, ()).as_text()
+                text = step.lower(p, s, batch).as_text()
             calls = collections.Counter(re.findall(r"custom_call @(jaxcomp_\w+)", text))
             row["kernels"] = ", ".join(f"{t} x{c}" for t, c in sorted(calls.items())) or "none"
             print(f"  {name}: {row['kernels']}", flush=True)

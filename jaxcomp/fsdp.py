@@ -4,7 +4,8 @@ replicated over a slow axis (HSDP), with the parameter all-gather and the
 gradient reduce-scatter compressed.
 
 ``jc.data_parallel(loss_fn, tx, mesh, shard_params=jc.fsdp.ShardParams(...))``
-builds the step (:class:`ShardedDataParallel`). It has two parts:
+builds the step (:class:`jaxcomp.DataParallel`, on this module's
+:class:`Layout`). It has two parts:
 
 - per device, inside ``jax.shard_map`` (manual over the data axes only, so
   that a model axis of the mesh stays XLA's): where the loss uses a
@@ -51,8 +52,6 @@ from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
 from jaxcomp.optax import OneBitAdamState
 from jaxcomp.optax._state import find_states
-from jaxcomp.optax._step import all_finite
-from jaxcomp.train import _average_mutated, _per_device_streams, _reduce_metrics, _StepBase
 
 __all__ = [
     "Shard",
@@ -341,146 +340,145 @@ def _averaging_transform(opt_state) -> str | None:
     return None
 
 
-class ShardedDataParallel(_StepBase):
-    """The sharded train step: ``jc.data_parallel(loss_fn, tx, mesh,
-    shard_params=...)``.
-
-    ``params, state = step.init(params)`` lays the parameters out sharded
-    and creates ``tx``'s state and the residuals; ``params, state, loss =
-    step(params, state, batch)`` runs one step. ``tx`` is any optax
-    optimizer, unchanged: it runs on the global mean gradients, so its
-    result is one device's step on the whole batch (up to summation order).
-    A step whose mean gradient (or a new residual) is not finite changes
-    nothing (its loss shows it).
+class Layout:
+    """The sharded step's static layout of a parameter pytree, checked: per
+    leaf its sharded dimension (None: replicated over the data axes), whether
+    it is a ``layers`` leaf and its layout over the mesh's other (model)
+    axes; from these the parameters' PartitionSpecs (over the data axes, as
+    ``shard_map`` takes them, and over every axis), the residuals' shapes
+    and shardings and every gather's static spec.
 
     Args:
-      loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)``
-        when the step is given a key), the scalar loss of this device's
-        batch; ``params`` holds the gathered parameters, and :class:`Shard`
-        handles for ``layers`` leaves (or the NNX module built of them).
-      tx: the optimizer.
-      mesh: the mesh; the batch is split over the data axes
-        (``ShardParams.data_axes``), and any other axis (a model axis) is
-        left to XLA, with the parameters' layout over it as given.
-      shard_params: a :class:`ShardParams`, or an axis name.
-      has_aux: ``loss_fn`` returns ``(loss, aux)``; aux is averaged.
-      donate: donate the parameters and the state to the step.
-      max_in_flight: the most steps dispatched and not yet finished, as
-        ``jc.data_parallel``'s (``"auto"``: 1 on a CPU mesh).
+      cfg: the :class:`ShardParams`.
+      mesh: the mesh.
+      params: the parameters (arrays or shapes).
+      model_entries: ``model_entries(leaf) -> tuple``: a leaf's layout over
+        the model axes as the caller gave it (one PartitionSpec entry per
+        dimension).
     """
 
-    def __init__(
-        self,
-        loss_fn: Callable,
-        tx: optax.GradientTransformation,
-        mesh: Mesh,
-        shard_params: ShardParams | Hashable,
-        *,
-        has_aux: bool = False,
-        donate: bool = True,
-        max_in_flight: int | str | None = "auto",
-    ):
-        if not isinstance(shard_params, ShardParams):
-            shard_params = ShardParams(axis=shard_params)
-        cfg = shard_params
-        axes = cfg.data_axes
-        _check_mesh(mesh, axes, cfg)
-        self._setup(loss_fn, tx, mesh, axes, has_aux, donate, max_in_flight)
-        self.config = cfg
-        self._shard_axes = names_of(cfg.axis)
-        self._shard_size = int(np.prod([mesh.shape[a] for a in self._shard_axes]))
-        self._all = axes if len(axes) > 1 else axes[0]
-        self._shard_spec = self._shard_axes if len(self._shard_axes) > 1 else self._shard_axes[0]
-        self._explicit = any(t == AxisType.Explicit for t in mesh.axis_types)
-        self._dims = None  # per leaf: the sharded dimension, None for replicated leaves
-
-    # -- layout --------------------------------------------------------------
-
-    def _plan(self, params) -> None:
-        """Per leaf: its sharded dimension (None: replicated), whether it is
-        a ``layers`` leaf, its model-axis layout; checked."""
-        self._dims, self._layers, self._model = _plan(
-            self.config, params, self._shard_size, self._model_entries
+    def __init__(self, cfg: ShardParams, mesh: Mesh, params, model_entries: Callable):
+        self.config, self.mesh = cfg, mesh
+        self.data_axes = cfg.data_axes
+        self.axes = self.data_axes if len(self.data_axes) > 1 else self.data_axes[0]
+        self.shard_axes = names_of(cfg.axis)
+        self.shard_sizes = tuple(mesh.shape[a] for a in self.shard_axes)
+        self.num_devices = int(np.prod([mesh.shape[a] for a in self.data_axes]))
+        self.dims, self.layers, self.model = _plan(
+            cfg, params, int(np.prod(self.shard_sizes)), model_entries
         )
-        self._check_model_axes(self._model)
-        self._paths = [
-            jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+        flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
+        self.paths = [jax.tree_util.keystr(k) for k, _ in flat]
+        self.shapes = [tuple(np.shape(x)) for _, x in flat]
+        n = len(flat)
+        self.manual_specs = self.treedef.unflatten([self._spec(i, True) for i in range(n)])
+        self.param_shardings = self.treedef.unflatten(
+            [NamedSharding(mesh, self._spec(i, False)) for i in range(n)]
+        )
+        self.residual_shapes = [
+            _residual_shape(cfg, d, s, layer, self.shard_sizes)
+            for d, s, layer in zip(self.dims, self.shapes, self.layers, strict=True)
         ]
-        leaves = jax.tree.leaves(params)
-        self._shapes = [tuple(np.shape(x)) for x in leaves]
+        self.residual_shardings = tuple(
+            NamedSharding(mesh, P(self.axes, *self.model[i]))
+            for i, s in enumerate(self.residual_shapes)
+            if s is not None
+        )
+        self.gathers = [
+            None if d is None else self._gather_spec(i) for i, d in enumerate(self.dims)
+        ]
 
-    def _specs(self, i: int, manual: bool) -> P:
+    def _spec(self, i: int, manual: bool) -> P:
         """Leaf ``i``'s PartitionSpec: over the data axes only (``manual``:
         what ``shard_map`` takes), or over every axis."""
-        dim = self._dims[i]
-        entries = [None] * len(self._shapes[i]) if manual else list(self._model[i])
+        dim = self.dims[i]
+        entries = [None] * len(self.shapes[i]) if manual else list(self.model[i])
         if dim is not None:
-            entries[dim] = self._shard_spec
+            entries[dim] = self.shard_axes if len(self.shard_axes) > 1 else self.shard_axes[0]
         while entries and entries[-1] is None:  # P("fsdp"), as one writes it
             entries.pop()
         return P(*entries)
 
-    def _residual_shape(self, i: int) -> tuple | None:
-        return _residual_shape(
-            self.config, self._dims[i], self._shapes[i], self._layers[i], self._shard_sizes()
+    def _gather_spec(self, i: int) -> _Spec:
+        cfg, dim = self.config, self.dims[i]
+        on = _compressed(cfg, self.shapes[i], self.layers[i])
+        return _Spec(
+            dim=dim - len(self.shapes[i]),
+            shard_axes=self.shard_axes,
+            replicate=cfg.replicate_over,
+            gradients=cfg.gradients if on else None,
+            parameters=cfg.parameters if on else None,
+            feedback=on and cfg.error_feedback and cfg.gradients is not None,
+            devices=self.num_devices,
+            model=self.model[i][1:] if self.layers[i] else self.model[i],
+            path=self.paths[i],
         )
 
-    def _shard_sizes(self) -> tuple:
-        return tuple(self.mesh.shape[a] for a in self._shard_axes)
+    def zero_residuals(self) -> tuple:
+        """The residuals of a new state: zeros, one row per data device."""
+        shapes = [(self.num_devices, *s) for s in self.residual_shapes if s is not None]
+        return jax.jit(
+            lambda: tuple(jnp.zeros(s, jnp.float32) for s in shapes),
+            out_shardings=self.residual_shardings,
+        )()
 
-    def init(self, params) -> tuple[Any, ShardedState]:
-        """Lays ``params`` out sharded and creates the state.
+    def gathered(self, shards, residuals: tuple, key):
+        """The parameters as the loss receives them, inside the step's
+        ``shard_map``: each sharded leaf all-gathered (and reduce-scattered
+        in the backward pass, its residual coming back as the residual's
+        "gradient"), ``layers`` leaves as :class:`Shard` handles.
 
         Args:
-          params: a pytree of arrays (host arrays, or arrays laid out over
-            the mesh's model axes, a layout the step keeps), or a Flax NNX
-            module (its ``nnx.Param`` variables are trained; the loss gets
-            the module, with its other variables, such as an ``nnx.Rngs``,
-            kept by the step and a stream per device).
-        Returns:
-          ``(params, state)``: the parameters, each leaf sharded along its
-          dimension 0 (1 for ``layers`` leaves) over the sharding axes, and
-          the :class:`ShardedState`.
+          shards: this device's shards (the parameters' structure).
+          residuals: ``(residuals, probes)``: this device's residual of every
+            leaf that has one, and a probe of zeros for each (see
+            :class:`Shard`).
+          key: the step's key of the collectives.
         """
-        params = self._take_module(params)
-        self._plan(params)
-        leaves, treedef = jax.tree.flatten(params)
-        self._treedef = treedef
-        n = len(leaves)
-        self._manual_specs = treedef.unflatten([self._specs(i, True) for i in range(n)])
-        self._param_shardings = treedef.unflatten(
-            [NamedSharding(self.mesh, self._specs(i, False)) for i in range(n)]
-        )
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_shardings)(
-            params
-        )
-        self._residual_shapes = [self._residual_shape(i) for i in range(n)]
-        self._residual_shardings = tuple(
-            NamedSharding(self.mesh, P(self._all, *self._model[i]))
-            for i, s in enumerate(self._residual_shapes)
-            if s is not None
-        )
-        shapes = [(self.num_devices, *s) for s in self._residual_shapes if s is not None]
-        residuals = jax.jit(
-            lambda: tuple(jnp.zeros(s, jnp.float32) for s in shapes),
-            out_shardings=self._residual_shardings,
-        )()
-        self._opt_shardings = self._state_shardings(params)
-        opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings)(params)
-        count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
-        return params, ShardedState(opt_state, residuals, count)
+        residuals, probes = residuals
+        slot = iter(range(len(residuals)))
+        built = []
+        for i, x in enumerate(self.treedef.flatten_up_to(shards)):
+            if self.dims[i] is None:
+                built.append(x)
+                continue
+            r = p = None
+            if self.residual_shapes[i] is not None:
+                j = next(slot)
+                r, p = residuals[j], probes[j]
+            k = jax.random.fold_in(key, i)
+            if self.layers[i]:  # one key per layer, gathered by the loss
+                ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(jnp.arange(x.shape[0]))
+                built.append(Shard(x, r, ks, p, self.gathers[i]))
+            else:
+                built.append(_gather(self.gathers[i], x, r, k, p))
+        return self.treedef.unflatten(built)
 
-    def _state_shardings(self, params):
+    def probes(self, residuals: tuple) -> tuple:
+        """Zeros whose "gradient" says where a gather's backward pass ran:
+        one per gather of every residual (a ``layers`` leaf's has one per
+        layer)."""
+        ndims = [
+            len(s) - layer
+            for s, layer in zip(self.residual_shapes, self.layers, strict=True)
+            if s is not None
+        ]
+        return tuple(
+            jnp.zeros(r.shape[: r.ndim - n]) for r, n in zip(residuals, ndims, strict=True)
+        )
+
+    def state_shardings(self, tx: optax.GradientTransformation, params):
         """The layout of ``tx.init(params)``: what JAX's sharding types give
-        it when the parameters are typed with their shardings (a moment made
-        by ``zeros_like`` is sharded as its parameter; a reduction or a new
-        array is replicated). Read on an Explicit copy of the mesh, whatever
-        the user's axis types."""
+        it when the parameters are typed with their shardings (a moment
+        made by ``zeros_like`` is sharded as its parameter; a reduction or a
+        new array is replicated), read on an Explicit copy of the mesh,
+        whatever the user's axis types. Raises for a ``tx`` that averages
+        over the devices itself."""
         who = "jc.data_parallel(shard_params=...)"
         try:
-            shapes = jax.eval_shape(self.tx.init, params)
+            shapes = jax.eval_shape(tx.init, params)
         except NameError as e:
-            raise ValueError(_averages_message(who, "tx.init", e)) from e
+            raise ValueError(averages_message(who, "tx.init", e)) from e
         name = _averaging_transform(shapes)
         if name is not None:
             raise ValueError(
@@ -498,12 +496,12 @@ class ShardedDataParallel(_StepBase):
                 a.shape, a.dtype, sharding=NamedSharding(explicit, s)
             ),
             params,
-            jax.tree.map(lambda s: s.spec, self._param_shardings),
+            jax.tree.map(lambda s: s.spec, self.param_shardings),
         )
         found = []
 
         def init(p):
-            out = self.tx.init(p)
+            out = tx.init(p)
             found.append(jax.tree.map(lambda x: jax.typeof(x).sharding.spec, out))
             return out
 
@@ -512,264 +510,71 @@ class ShardedDataParallel(_StepBase):
                 jax.eval_shape(init, typed)
             specs = found[0]
         except Exception:  # an init that sharding types refuse: by shape instead
-            specs = _specs_by_shape(shapes, params, self._param_shardings)
+            specs = _specs_by_shape(shapes, params, self.param_shardings)
         return jax.tree.map(
             lambda s: NamedSharding(self.mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
         )
 
-    # -- the step --------------------------------------------------------------
-
-    def lower(self, params, state: ShardedState, batch, key: jax.Array | None = None):
-        """The step lowered for these arguments (``jax.stages.Lowered``):
-        ``.compile()`` gives the executable whose ``memory_analysis()`` and
-        ``as_text()`` (the collectives and their bytes) the step runs."""
-        keys = () if key is None else (key,)
-        return self._built().lower(params, state, batch, self._rest(), *keys)
-
-    def __call__(self, params, state: ShardedState, batch, key: jax.Array | None = None):
-        """One step: ``(params, state, loss)`` (``(loss, aux)`` with
-        ``has_aux``), the loss averaged over the devices."""
-        self._check_batch(batch)
-        keys = () if key is None else (key,)
-        self._built()
-        params, state, out, changed = self._dispatch(params, state, batch, self._rest(), *keys)
-        self._keep_rest(changed)
-        return params, state, out
-
-    def _built(self):
-        if self._dims is None:
-            raise ValueError("jc.data_parallel: call init(params) before the step")
-        if self._step is None:
-            self._step = self._build()
-        return self._step
-
-    def _spec_of(self, i: int) -> _Spec:
-        """The static spec of sharded leaf ``i``'s gathers."""
-        cfg, dim = self.config, self._dims[i]
-        on = _compressed(cfg, self._shapes[i], self._layers[i])
-        model = self._model[i][1:] if self._layers[i] else self._model[i]
-        return _Spec(
-            dim=dim - len(self._shapes[i]),
-            shard_axes=self._shard_axes,
-            replicate=cfg.replicate_over,
-            gradients=cfg.gradients if on else None,
-            parameters=cfg.parameters if on else None,
-            feedback=on and cfg.error_feedback and cfg.gradients is not None,
-            devices=self.num_devices,
-            model=model,
-            path=self._paths[i],
-        )
-
-    def _update(self, grads, opt_state, params):
-        """``tx``'s update on global arrays, partitioned by XLA."""
-
-        def update(g, o, p):
-            updates, o = self.tx.update(g, o, p)
-            return optax.apply_updates(p, updates), o
-
-        shardings = (self._param_shardings, self._opt_shardings)
-        if self._explicit:  # XLA lays out what the update computes in between
-            update = jax.sharding.auto_axes(update, out_sharding=shardings)
-        try:
-            out = update(grads, opt_state, params)
-        except NameError as e:  # a collective over a data axis, which is not bound here
-            raise ValueError(
-                _averages_message("jc.data_parallel(shard_params=...)", "tx", e)
-            ) from e
-        if not self._explicit:
-            out = lax.with_sharding_constraint(out, shardings)
-        return out
-
-    def _build(self):
-        cfg, dims, treedef = self.config, self._dims, self._treedef
-        axes = self._all
-        # Leaf i's residual is residuals[slot[i]] (None: it has none);
-        # leaf_ndim[j]: the dimensions of one gather's residual in slot j
-        # (a layers leaf's residual has a leading layer axis besides).
-        slot, n, leaf_ndim = [], 0, []
-        for s, layer in zip(self._residual_shapes, self._layers, strict=True):
-            slot.append(None if s is None else n)
-            if s is not None:
-                n += 1
-                leaf_ndim.append(len(s) - layer)
-        specs = [None if d is None else self._spec_of(i) for i, d in enumerate(dims)]
-
-        def local(params, residuals, batch, rest, count, *key):
-            residuals = tuple(r[0] for r in residuals)
-            base = jax.random.fold_in(jax.random.key(cfg.seed), count)
-            args = (batch,)
-            if key:
-                args += (jax.random.fold_in(key[0], lax.axis_index(axes)),)
-            rest = _per_device_streams(rest, axes)
-            mutated: list = []
-
-            def loss_of(shards, residuals, probes, rest):
-                built = []
-                for i, x in enumerate(treedef.flatten_up_to(shards)):
-                    if dims[i] is None:
-                        built.append(x)
-                        continue
-                    r, probe = (
-                        (None, None) if slot[i] is None else (residuals[slot[i]], probes[slot[i]])
-                    )
-                    k = jax.random.fold_in(base, i)
-                    if self._layers[i]:  # one key per layer, gathered by the loss
-                        ks = jax.vmap(lambda j, k=k: jax.random.fold_in(k, j))(
-                            jnp.arange(x.shape[0])
-                        )
-                        built.append(Shard(x, r, ks, probe, specs[i]))
-                    else:
-                        built.append(_gather(specs[i], x, r, k, probe))
-                return self._loss(treedef.unflatten(built), rest, *args, mutated=mutated)
-
-            # A residual comes back as its "gradient" where its gather's
-            # backward pass ran (the probe's gradient is 1 there), else as it
-            # was: a parameter the loss did not use keeps what it owes.
-            probes = tuple(
-                jnp.zeros(r.shape[: r.ndim - leaf_ndim[j]]) for j, r in enumerate(residuals)
-            )
-            grad_fn = jax.value_and_grad(loss_of, argnums=(0, 1, 2), has_aux=True)
-            (loss, (aux, rest)), (grads, new_res, ran) = grad_fn(params, residuals, probes, rest)
-            new_res = tuple(
-                jnp.where(g.reshape(g.shape + (1,) * (r.ndim - g.ndim)) > 0, n, r)
-                for g, n, r in zip(ran, new_res, residuals, strict=True)
-            )
-            # Replicated leaves: their gradients averaged exactly.
-            g = treedef.flatten_up_to(grads)
-            g = [lax.pmean(x, axes) if d is None else x for x, d in zip(g, dims, strict=True)]
-            # A step whose mean gradient is not finite changes nothing (every
-            # device agrees: the flag is reduced over the data axes).
-            ok = all_finite(jax.tree.leaves((g, new_res))).astype(jnp.int32)
-            ok = lax.pmin(ok, axes).astype(bool)
-            out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
-            return (
-                treedef.unflatten(g),
-                tuple(r[None] for r in new_res),
-                ok,
-                out,
-                _average_mutated(rest, mutated, axes),
-            )
-
-        def step(params, state, batch, rest, *key):
-            batch = jax.tree.map(self._lay_out_batch, batch)
-            per_device = tuple(P(axes) for _ in state.residuals)
-            f = jax.shard_map(
-                local,
-                mesh=self.mesh,
-                in_specs=(
-                    self._manual_specs,
-                    per_device,
-                    jax.tree.map(lambda _: P(axes), batch),
-                    P(),
-                    P(),
-                    *((P(),) * len(key)),
-                ),
-                out_specs=(self._manual_specs, per_device, P(), P(), P()),
-                axis_names=frozenset(self._axes),
-                check_vma=False,
-            )
-            grads, residuals, ok, out, changed = f(
-                params, state.residuals, batch, rest, state.step, *key
-            )
-            # A step that is not finite changes nothing. A branch rather than a
-            # select of new against old: the update's buffers can then take the
-            # old ones' place, as they would without the rule.
-            params, opt_state = lax.cond(
-                ok,
-                lambda g, o, p: self._update(g, o, p),
-                lambda g, o, p: (p, o),
-                grads,
-                state.opt_state,
-                params,
-            )
-            residuals = jax.tree.map(
-                lambda new, old: jnp.where(ok, new, old), residuals, state.residuals
-            )
-            return params, ShardedState(opt_state, residuals, state.step + 1), out, changed
-
-        return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
-
-    # -- another mesh ----------------------------------------------------------
-
-    def relayout(
-        self,
-        state: ShardedState,
-        *,
-        from_axis_sizes: int | tuple | None = None,
-        from_shard_params: ShardParams | None = None,
-    ) -> ShardedState:
-        """A :class:`ShardedState` saved by a sharded step on another mesh
-        (another number of devices, or a two-level mesh), laid out for this
-        step (after :meth:`init`), with what the residuals owe kept.
-
-        ``tx``'s state is global and moves as it is; the step counter too.
-        A residual is what its device still owes the mean: for every
-        parameter element, the sum of what every device owes it over the
-        number of devices. That sum is kept exactly (up to one float32
-        rounding), spread evenly over the new devices that hold the element.
-
-        Args:
-          state: the saved state (host arrays, or arrays in any layout, as
-            orbax restores them).
-          from_axis_sizes: the sizes of the saved mesh's data axes, in the
-            order of ``from_shard_params.data_axes`` (one int for one
-            axis); None: read from the residuals for one axis.
-          from_shard_params: the saved step's :class:`ShardParams`, if it is
-            not this step's (another ``axis``/``replicate_over`` mode).
-        Returns:
-          The state, laid out as :meth:`init` lays it out.
-        """
-        if self._dims is None:
-            raise ValueError("jc.data_parallel: call init(params) before relayout(state)")
+    def relayout_residuals(self, saved, from_shard_params, from_axis_sizes) -> tuple:
+        """The residuals of a state saved on another mesh (``saved``: one
+        array per residual, one row per old device), laid out for this one,
+        what they owe the mean kept (``jc.data_parallel``'s ``relayout``)."""
         old_cfg = self.config if from_shard_params is None else from_shard_params
-        old_sizes = _saved_sizes(old_cfg, from_axis_sizes, state.residuals)
+        old_sizes = _saved_sizes(old_cfg, from_axis_sizes, saved)
         old_shapes = [
             _residual_shape(old_cfg, d, s, layer, _shard_part(old_cfg, old_sizes))
-            for d, s, layer in zip(self._dims, self._shapes, self._layers, strict=True)
+            for d, s, layer in zip(self.dims, self.shapes, self.layers, strict=True)
         ]
-        saved = list(state.residuals)
+        saved = list(saved)
         if len(saved) != sum(s is not None for s in old_shapes):
             raise ValueError(
                 f"jc.data_parallel: relayout got {len(saved)} residuals, but the saved step "
                 f"keeps {sum(s is not None for s in old_shapes)} (one per parameter with error "
                 "feedback): pass from_shard_params=, the ShardParams the state was saved with"
             )
-        new_sizes = tuple(self.mesh.shape[a] for a in self.config.data_axes)
+        new_sizes = tuple(self.mesh.shape[a] for a in self.data_axes)
         out, it = [], iter(saved)
-        for i, (old, new) in enumerate(zip(old_shapes, self._residual_shapes, strict=True)):
+        for i, (old, new) in enumerate(zip(old_shapes, self.residual_shapes, strict=True)):
             owed = None
             if old is not None:
                 r = np.asarray(jax.device_get(next(it)), np.float64)
                 if r.shape[1:] != old:
                     raise ValueError(
-                        f"jc.data_parallel: relayout: the residual of {self._paths[i]} has shape "
+                        f"jc.data_parallel: relayout: the residual of {self.paths[i]} has shape "
                         f"{r.shape}, not ({int(np.prod(old_sizes))}, *{old}) as the saved step "
                         f"on data axes of sizes {old_sizes} keeps it"
                     )
-                owed = _owed(old_cfg, old_sizes, self._dims[i], r, self._shapes[i])
+                owed = _owed(old_cfg, old_sizes, self.dims[i], r, self.shapes[i])
             if new is None:
                 if owed is not None and np.any(owed):
                     raise ValueError(
-                        f"jc.data_parallel: relayout: {self._paths[i]} has a residual in the "
+                        f"jc.data_parallel: relayout: {self.paths[i]} has a residual in the "
                         "saved state, but this step keeps none for it (no error feedback, or "
                         "below min_compress_size): what it owes would be lost. Build the step "
                         "with the saved state's error feedback"
                     )
                 continue
             if owed is None:
-                owed = np.zeros(self._shapes[i])
-            out.append(_spread(self.config, new_sizes, self._dims[i], owed).astype(np.float32))
-        residuals = tuple(
-            jax.device_put(r, s) for r, s in zip(out, self._residual_shardings, strict=True)
+                owed = np.zeros(self.shapes[i])
+            out.append(_spread(self.config, new_sizes, self.dims[i], owed).astype(np.float32))
+        return tuple(
+            jax.device_put(r, s) for r, s in zip(out, self.residual_shardings, strict=True)
         )
-        expected = jax.tree.structure(self._opt_shardings)
-        if jax.tree.structure(state.opt_state) != expected:
-            raise ValueError(
-                "jc.data_parallel: relayout: the saved opt_state does not have the structure "
-                "of tx.init(params) (is it from another optimizer?)"
-            )
-        opt_state = jax.device_put(state.opt_state, self._opt_shardings)
-        return ShardedState(opt_state, residuals, jax.device_put(state.step, self.replicated))
+
+
+def ShardedDataParallel(loss_fn, tx, mesh, shard_params, **kwargs):
+    """Deprecated: ``jc.data_parallel(loss_fn, tx, mesh, shard_params=...)``."""
+    import warnings
+
+    from jaxcomp.train import DataParallel
+
+    warnings.warn(
+        "jc.fsdp.ShardedDataParallel is deprecated: use jc.data_parallel(loss_fn, tx, mesh, "
+        "shard_params=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return DataParallel(loss_fn, tx, mesh, shard_params=shard_params, **kwargs)
 
 
 # -- planning, shared by init and relayout ---------------------------------------
@@ -946,7 +751,7 @@ def _specs_by_shape(shapes, params, shardings):
     return jax.tree.map(spec, shapes)
 
 
-def _averages_message(who: str, what: str, e: Exception) -> str:
+def averages_message(who: str, what: str, e: Exception) -> str:
     return (
         f"{who}: {what} runs a collective over a mesh axis ({e}); in the sharded step the "
         "optimizer runs on global arrays, outside shard_map, and the step's own collectives "
@@ -955,7 +760,7 @@ def _averages_message(who: str, what: str, e: Exception) -> str:
     )
 
 
-def _check_mesh(mesh: Mesh, axes: tuple, cfg: ShardParams) -> None:
+def check_mesh(mesh: Mesh, axes: tuple, cfg: ShardParams) -> None:
     if not isinstance(mesh, Mesh):
         raise TypeError(
             f"jc.data_parallel: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}"

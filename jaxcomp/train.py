@@ -52,6 +52,7 @@ from jaxcomp._axes import names_of
 from jaxcomp.optax import DiLoCoState
 from jaxcomp.optax import init as init_state
 from jaxcomp.optax._state import check_laid_out, find_states, partition_specs
+from jaxcomp.optax._step import all_finite
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -70,29 +71,227 @@ def _is_nnx_module(x) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
-class _StepBase:
-    """What both train steps (replicated and sharded) share: the batch's
-    layout, a Flax NNX model's split into trained parameters and the other
-    variables, the loss that rebuilds it, and the bound on the steps in
-    flight."""
+class DataParallel:
+    """A jitted data-parallel train step over ``mesh``: ``jc.data_parallel``.
 
-    accumulate_steps = 1
+    ``step = jc.data_parallel(loss_fn, tx, mesh)``, then ``params, state =
+    step.init(params)`` and ``params, state, loss = step(params, state,
+    batch)``: every argument and result is a global array. Inside, each
+    device computes ``loss_fn`` and its gradient on its shard of the batch.
+    Replicated (the default): ``tx``, whose first element all-reduces the
+    gradients (``jc.optax.compress_gradients``, ``onebit_adam``,
+    ``powersgd``, ``diloco`` or the uncompressed ``jc.optax.pmean``), runs
+    on every device. Sharded (``shard_params=``, docs/fsdp.md): the step
+    all-gathers each parameter where the loss uses it and reduce-scatters
+    its gradient, and ``tx``, any optax optimizer, runs on the mean
+    gradients as global arrays. docs/training-loop.md has the details.
 
-    def _setup(self, loss_fn, tx, mesh, axes: tuple, has_aux, donate, max_in_flight) -> None:
+    Args:
+      loss_fn: ``loss_fn(params, batch)``, or ``loss_fn(params, batch, key)``
+        when the step is given a key: the scalar loss of this device's
+        batch, or ``(loss, aux)`` with ``has_aux``. With a Flax NNX model,
+        ``params`` is the module rebuilt from the trained variables and the
+        others (BatchNorm's statistics, averaged after the step; an
+        ``nnx.Rngs``, whose keys get the device's index folded in).
+      tx: the optimizer (above).
+      mesh: the device mesh; axes besides the data axes are model axes,
+        whose layout of the parameters is kept and left to XLA.
+      axis_name: the data axis, or a ``(slow, fast)`` pair (replicated).
+      has_aux: ``loss_fn`` returns ``(loss, aux)``.
+      accumulate_steps: microbatches per device per step (replicated).
+      donate: donate the parameters and the state to the step.
+      max_in_flight: the most steps dispatched and not yet finished;
+        ``"auto"``: 1 on a CPU mesh of several devices, where XLA's
+        collectives can abort a busy process, no bound elsewhere.
+      shard_params: a :class:`jaxcomp.fsdp.ShardParams` (or a mesh axis):
+        sharded training over its axes.
+      require_all_reduce: refuse an update that does not all-reduce the
+        gradients (replicated; False for what means it).
+    """
+
+    def __init__(
+        self,
+        loss_fn: Callable,
+        tx: optax.GradientTransformation,
+        mesh: Mesh,
+        axis_name="data",
+        *,
+        has_aux: bool = False,
+        accumulate_steps: int = 1,
+        donate: bool = True,
+        max_in_flight: int | str | None = "auto",
+        require_all_reduce: bool = True,
+        shard_params=None,
+    ):
+        if shard_params is None:
+            axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
+        else:
+            from jaxcomp import fsdp
+
+            if not isinstance(shard_params, fsdp.ShardParams):
+                shard_params = fsdp.ShardParams(axis=shard_params)
+            if axis_name != "data":
+                raise ValueError(
+                    "jc.data_parallel: with shard_params the axes are shard_params' "
+                    f"(jc.fsdp.ShardParams(axis=...)); leave axis_name out, got {axis_name!r}"
+                )
+            if accumulate_steps != 1:
+                raise ValueError(
+                    "jc.data_parallel: with shard_params the step takes no accumulate_steps"
+                )
+            axes = shard_params.data_axes
+            fsdp.check_mesh(mesh, axes, shard_params)
+            axis_name = axes if len(axes) > 1 else axes[0]
         self.loss_fn = loss_fn
         self.tx = tx
         self.mesh = mesh
+        self.axis_name = axis_name
+        self.shard_params = shard_params
         self.has_aux = has_aux
+        self.accumulate_steps = int(accumulate_steps)
         self.donate = donate
+        self.require_all_reduce = bool(require_all_reduce)
         self._axes = axes
         self._data_spec = P(axes if len(axes) > 1 else axes[0])
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
         self.replicated = NamedSharding(mesh, P())
+        self.per_replica = NamedSharding(mesh, P(axes[0]))
         self.num_devices = int(np.prod([mesh.shape[a] for a in axes]))
         self.max_in_flight = _in_flight_bound(max_in_flight, mesh, self.num_devices)
+        self._explicit = any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
         self._in_flight: collections.deque = collections.deque()  # the unfinished steps' losses
         self._module = None  # (graphdef, parameter template, rest) for an NNX model
         self._step = None  # the jitted step, built on the first call
+        self._per_replica = False  # parameters laid out per replica (diloco)
+        self._param_shardings = None  # the parameters' layout, from init() or the first step
+        self._layout = None  # sharded: the parameters' fsdp.Layout, from init()
+
+    # -- state -------------------------------------------------------------
+
+    def init(self, params) -> tuple[Any, Any]:
+        """Places the parameters and creates the state on the mesh.
+
+        Args:
+          params: a pytree of arrays (host arrays, or arrays on the mesh:
+            replicated over the data axes, or laid out over a model axis,
+            a layout the step keeps), or a Flax NNX module (its
+            ``nnx.Param`` variables are trained, as a pure dict).
+        Returns:
+          ``(params, state)``. Replicated: the parameters replicated over
+          the data axes and ``jc.optax.init``'s optimizer state. Sharded:
+          the parameters sharded over the sharding axes and a
+          :class:`jaxcomp.fsdp.ShardedState`.
+        """
+        params = self._take_module(params)
+        if self.shard_params is not None:
+            return self._init_sharded(params)
+        _check_replicated(params, "init", self._axes)
+        self._param_shardings = self._layout_of(params)
+        self._param_shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        params = self._copy(params, self._param_shardings)
+        opt_state = init_state(self.tx, params, self.mesh, self.axis_name)
+        self._per_replica = self._per_replica_of(opt_state)
+        if self._per_replica:
+            n, sharding = self.num_devices, self.per_replica
+            params = jax.jit(
+                lambda p: jax.tree.map(lambda a: jnp.stack([a] * n), p), out_shardings=sharding
+            )(params)
+        return params, opt_state
+
+    def _init_sharded(self, params):
+        from jaxcomp import fsdp
+
+        layout = fsdp.Layout(self.shard_params, self.mesh, params, self._model_entries)
+        self._check_model_axes(layout.model)
+        self._layout = layout
+        self._param_shardings = layout.param_shardings
+        params = self._copy(params, layout.param_shardings)
+        self._opt_shardings = layout.state_shardings(self.tx, params)
+        opt_state = jax.jit(self.tx.init, out_shardings=self._opt_shardings)(params)
+        count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
+        return params, fsdp.ShardedState(opt_state, layout.zero_residuals(), count)
+
+    @staticmethod
+    def _copy(params, shardings):
+        """``params`` laid out as ``shardings``, a copy: the step donates its
+        parameters, and must not delete the caller's (device_put may reuse
+        the caller's buffer)."""
+        params = jax.device_put(params, shardings)
+        return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=shardings)(params)
+
+    def relayout(self, state, *, from_axis_sizes=None, from_shard_params=None):
+        """A state saved on another mesh (another number of devices, or a
+        two-level mesh), laid out for this step (after :meth:`init`), with
+        what the error-feedback residuals owe the mean kept.
+
+        Replicated: ``jc.optax.relayout`` of the optimizer state. Sharded:
+        ``tx``'s state is global and moves as it is; each residual's sum
+        over the devices at every parameter element, over their number, is
+        kept exactly (up to one float32 rounding), spread evenly over the
+        new devices that hold the element.
+
+        Args:
+          state: the saved state (host arrays, or arrays in any layout, as
+            orbax restores them).
+          from_axis_sizes: the saved mesh's data-axis sizes (one int for one
+            axis; needed for a two-level mesh).
+          from_shard_params: sharded: the saved step's ``ShardParams``, if
+            not this step's.
+        """
+        if self._param_shardings is None:
+            raise ValueError("jc.data_parallel: call init(params) before relayout(state)")
+        if self.shard_params is None:
+            from jaxcomp.optax import relayout
+
+            return relayout(
+                state,
+                self.tx,
+                self._param_shapes,
+                self.mesh,
+                self.axis_name,
+                from_axis_sizes=from_axis_sizes,
+            )
+        from jaxcomp import fsdp
+
+        residuals = self._layout.relayout_residuals(
+            state.residuals, from_shard_params, from_axis_sizes
+        )
+        if jax.tree.structure(state.opt_state) != jax.tree.structure(self._opt_shardings):
+            raise ValueError(
+                "jc.data_parallel: relayout: the saved opt_state does not have the structure "
+                "of tx.init(params) (is it from another optimizer?)"
+            )
+        opt_state = jax.device_put(state.opt_state, self._opt_shardings)
+        return fsdp.ShardedState(opt_state, residuals, jax.device_put(state.step, self.replicated))
+
+    def _layout_of(self, params):
+        """The parameters' shardings: replicated over the data axes, laid
+        out over a model axis as given."""
+        self._check_model_axes([self._model_entries(x) for x in jax.tree.leaves(params)])
+        return jax.tree.map(
+            lambda x: NamedSharding(self.mesh, _spec(self._model_entries(x))), params
+        )
+
+    def _per_replica_of(self, opt_state) -> bool:
+        """Whether ``opt_state`` is that of an optimizer whose replicas keep
+        parameters of their own (``jc.optax.diloco``), checked against what
+        this step supports."""
+        if not any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
+            return False
+        others = [a for a in self.mesh.axis_names if a not in self._axes and self.mesh.shape[a] > 1]
+        if others:
+            raise ValueError(
+                f"jc.data_parallel: jc.optax.diloco keeps one copy of the parameters per replica "
+                f"and runs on a mesh of the data axes only, not one with {others} besides them"
+            )
+        if len(self._axes) > 1:
+            raise ValueError(
+                "jc.data_parallel: jc.optax.diloco runs over one data axis here, not the "
+                f"pair {self.axis_name!r}; for a slow axis synchronized by diloco and a fast one "
+                "averaged at every step, write the shard_map step of docs/diloco.md "
+                "('Two levels')"
+            )
+        return True
 
     def _model_entries(self, x) -> tuple:
         """``x``'s layout over the mesh's axes other than the data axes (a
@@ -128,6 +327,8 @@ class _StepBase:
                 "pass a mesh of the data axes only"
             )
 
+    # -- Flax NNX ------------------------------------------------------------
+
     def _take_module(self, params):
         """``params`` as a pytree of arrays: an NNX module's ``nnx.Param``
         variables as a pure dict, the module's structure and its other
@@ -141,10 +342,6 @@ class _StepBase:
         self._module = (graphdef, template, jax.device_put(rest, self.replicated))
         return _to_pure_dict(nnx, state)
 
-    def _model_params(self, params):
-        """The parameters of one model (:meth:`module`)."""
-        return params
-
     def module(self, params):
         """The NNX module rebuilt from trained ``params`` and the other
         variables as the last step left them (BatchNorm's running
@@ -155,7 +352,9 @@ class _StepBase:
                 "jc.data_parallel: module() rebuilds a Flax NNX model; init() was given a "
                 "pytree of parameters, not an nnx.Module"
             )
-        return self._merge(self._model_params(params), self._module[2])
+        if self._per_replica:  # one copy per replica: the first
+            params = jax.tree.map(lambda a: a[0], params)
+        return self._merge(params, self._module[2])
 
     def _merge(self, params, rest):
         """The NNX module of ``params`` (a pure dict) and the other variables."""
@@ -164,21 +363,6 @@ class _StepBase:
         state = jax.tree.map(lambda a: a, template)
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(graphdef, state, rest)
-
-    def shard_batch(self, local_batch):
-        """A global batch from this process's part of it.
-
-        Args:
-          local_batch: a pytree of host arrays, the leading axis this
-            process's examples (all of the batch in a one-process job).
-        Returns:
-          Global arrays sharded over the data axes
-          (``jax.make_array_from_process_local_data``).
-        """
-        return jax.tree.map(
-            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
-            local_batch,
-        )
 
     def _rest(self):
         """The NNX model's other variables for the next step (``()`` for a
@@ -192,38 +376,6 @@ class _StepBase:
             leaves, treedef = jax.tree.flatten(self._module[2])
             new = [o if c is None else c for o, c in zip(leaves, changed, strict=True)]
             self._module = (*self._module[:2], treedef.unflatten(new))
-
-    def _dispatch(self, *args):
-        """Runs the jitted step within the bound on the steps in flight."""
-        self._wait_for_room()
-        out = self._step(*args)
-        if self.max_in_flight is not None:
-            self._in_flight.append(out[2])  # the loss: ready when the step has finished
-        return out
-
-    def _wait_for_room(self) -> None:
-        """Blocks until fewer than ``max_in_flight`` steps are unfinished.
-
-        A step's outputs are ready once its program has finished on every
-        device (its loss is an output of that program), so waiting on the
-        oldest pending loss frees its slot without touching the parameters
-        that the next step donates.
-        """
-        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
-            jax.block_until_ready(self._in_flight.popleft())
-
-    def _check_batch(self, batch) -> None:
-        leaves = jax.tree.leaves(batch)
-        if not leaves:
-            raise ValueError("jc.data_parallel: the batch has no arrays")
-        per = self.num_devices * self.accumulate_steps
-        for x in leaves:
-            if not np.ndim(x) or np.shape(x)[0] % per:
-                raise ValueError(
-                    f"jc.data_parallel: every batch array needs a leading (batch) axis that is "
-                    f"a multiple of {per} ({self.num_devices} data devices x accumulate_steps="
-                    f"{self.accumulate_steps}); got shape {np.shape(x)}"
-                )
 
     def _loss(self, params, rest, *args, mutated: list):
         """``(loss, (aux, rest))``: the user's loss and aux (None without
@@ -250,210 +402,53 @@ class _StepBase:
         loss, aux = out if self.has_aux else (out, None)
         return loss, (aux, new_rest)
 
-    def _lay_out_batch(self, x):
-        """``x`` sharded as ``batch_sharding``, inside the jitted step: a
-        batch laid out otherwise (a host array, say) is resharded here
-        (shard_map takes it as it is on a mesh of Auto axes, but refuses a
-        mismatch on Explicit ones, jax.make_mesh's default)."""
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        if all(types[a] == jax.sharding.AxisType.Explicit for a in self._axes):
-            return jax.sharding.reshard(x, self.batch_sharding)
-        return lax.with_sharding_constraint(x, self.batch_sharding)
+    # -- the batch -----------------------------------------------------------
 
-
-class DataParallel(_StepBase):
-    """A jitted data-parallel train step over ``mesh``: ``jc.data_parallel``.
-
-    ``step = jc.data_parallel(loss_fn, tx, mesh)``, then
-    ``params, opt_state = step.init(params)`` and
-    ``params, opt_state, loss = step(params, opt_state, batch)`` under plain
-    ``jax.jit`` semantics: every argument and result is a global array.
-    Inside, each device computes ``loss_fn`` and its gradient on its shard of
-    the batch, and ``tx`` (whose first element all-reduces the gradients:
-    ``jc.optax.compress_gradients``, ``onebit_adam`` or ``powersgd``, or the
-    uncompressed ``jc.optax.pmean``) updates the parameters, inside
-    ``jax.shard_map``. Besides the step itself (``__call__``) it has
-    ``init``, ``shard_batch`` and, for NNX, ``module``.
-
-    Args:
-      loss_fn: ``loss_fn(params, batch)`` or, when the step is given a key,
-        ``loss_fn(params, batch, key)``, returning the scalar loss of this
-        device's batch (a mean over its examples), or ``(loss, aux)`` with
-        ``has_aux``. With an NNX model, ``params`` is the module; the
-        non-parameter variables it sets (``nnx.BatchNorm``'s statistics)
-        are averaged over the devices after the step (the floating-point
-        ones; others, such as RNG counters, as device 0 left them) and
-        given to the next step. The PRNG keys among those variables (an
-        ``nnx.Rngs`` the module holds, such as ``nnx.Dropout``'s) get the
-        device's index along the data axes folded in, so every device
-        draws its own dropout mask; the keys are kept as they were and the
-        streams' counters move on, so each step draws anew.
-      tx: the optax chain; its all-reduce runs over ``axis_name``. The step
-        raises (at its first call) if the update does not all-reduce the
-        gradients: the replicated parameters would differ per device.
-      mesh: the device mesh; all its axes of size > 1 are data axes.
-      axis_name: the data axis, or the ``(slow, fast)`` pair of a
-        hierarchical mesh (the batch is split over both).
-      has_aux: ``loss_fn`` returns ``(loss, aux)``.
-      accumulate_steps: split each device's batch into this many
-        microbatches and average their gradients before one update (one
-        all-reduce per step, whatever the number).
-      donate: donate the parameters and the optimizer state to the step
-        (their buffers are reused; do not use the arrays passed in after
-        the call).
-      max_in_flight: the most steps dispatched and not yet finished: before
-        a step is dispatched, the step waits for the oldest pending one's
-        loss. ``"auto"`` (the default) is 1 on a CPU mesh of several
-        devices, where XLA's collectives can abort a busy process with
-        many steps in flight (``Termination timeout for 'all reduce'``),
-        and no bound elsewhere (GPUs keep JAX's asynchronous dispatch). An
-        int >= 1 sets the bound on any platform; None lifts it. One step
-        in flight still overlaps the host's next batch with the device's
-        step; docs/training-loop.md measures what it costs.
-      shard_params: sharded training (FSDP / HSDP): a
-        :class:`jaxcomp.fsdp.ShardParams` or the mesh axis to shard the
-        parameters over. The step is then a
-        :class:`jaxcomp.fsdp.ShardedDataParallel` (docs/fsdp.md), whose
-        ``tx`` is a plain optax optimizer of the shards.
-      require_all_reduce: refuse an update that does not all-reduce the
-        gradients (above). False lets each device apply its own gradient,
-        for what means it (timing the compute alone, as
-        benchmarks/end_to_end.py does); the parameters are then typed as
-        replicated but differ per device.
-    Attributes:
-      mesh: the device mesh.
-      axis_name: the data-parallel axis (or the ``(slow, fast)`` pair).
-      batch_sharding: the ``NamedSharding`` of a global batch (leading axis
-        split over the data axes).
-      replicated: the ``NamedSharding`` of the parameters.
-      per_replica: the ``NamedSharding`` of the parameters under
-        ``jc.optax.diloco``: one copy per device along the data axis.
-      max_in_flight: the most steps dispatched and not yet finished (an
-        int), or None for no bound (above).
-    """
-
-    def __new__(cls, loss_fn=None, tx=None, mesh=None, axis_name="data", **kwargs):
-        shard_params = kwargs.pop("shard_params", None)
-        if shard_params is None:
-            return super().__new__(cls)
-        from jaxcomp.fsdp import ShardedDataParallel
-
-        if axis_name != "data":
-            raise ValueError(
-                "jc.data_parallel: with shard_params the axes are shard_params' "
-                f"(jc.fsdp.ShardParams(axis=...)); leave axis_name out, got {axis_name!r}"
-            )
-        extra = set(kwargs) - {"has_aux", "donate", "max_in_flight"}
-        if extra:
-            raise ValueError(
-                "jc.data_parallel: with shard_params the step takes has_aux, donate and "
-                f"max_in_flight, not {sorted(extra)}"
-            )
-        return ShardedDataParallel(loss_fn, tx, mesh, shard_params, **kwargs)
-
-    def __init__(
-        self,
-        loss_fn: Callable,
-        tx: optax.GradientTransformation,
-        mesh: Mesh,
-        axis_name="data",
-        *,
-        has_aux: bool = False,
-        accumulate_steps: int = 1,
-        donate: bool = True,
-        max_in_flight: int | str | None = "auto",
-        require_all_reduce: bool = True,
-        shard_params: None = None,
-    ):
-        axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
-        self._setup(loss_fn, tx, mesh, axes, has_aux, donate, max_in_flight)
-        self.axis_name = axis_name
-        self.accumulate_steps = int(accumulate_steps)
-        self.per_replica = NamedSharding(mesh, P(axes[0]))
-        self.require_all_reduce = bool(require_all_reduce)
-        self._param_shardings = None  # the parameters' layout, from init() or the first step
-        self._per_replica = False  # parameters laid out per replica (diloco)
-
-    # -- state -------------------------------------------------------------
-
-    def init(self, params) -> tuple[Any, Any]:
-        """Places the parameters and creates the optimizer state on the mesh.
+    def shard_batch(self, local_batch):
+        """A global batch from this process's part of it.
 
         Args:
-          params: a pytree of arrays, or a Flax NNX module (its ``nnx.Param``
-            variables are trained, as a plain dict; the other variables,
-            such as BatchNorm's statistics, are given to the loss with them
-            and kept by the step, see :meth:`module`); host arrays, or
-            arrays on one device or replicated.
+          local_batch: a pytree of host arrays, the leading axis this
+            process's examples (all of the batch in a one-process job).
         Returns:
-          ``(params, opt_state)``: the parameters replicated over the mesh and
-          the state of ``jc.optax.init`` (per-device residuals sharded over
-          the data axis).
-        Raises:
-          ValueError: a parameter (or NNX variable) is sharded over the
-            devices: the step would replicate it silently.
+          Global arrays sharded over the data axes
+          (``jax.make_array_from_process_local_data``).
         """
-        params = self._take_module(params)
-        _check_replicated(params, "init", self._axes)
-        self._param_shardings = self._layout_of(params)
-        # A copy: the step donates its parameters, and must not delete the caller's.
-        # (device_put may reuse the caller's buffer on one device).
-        params = jax.device_put(params, self._param_shardings)
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=self._param_shardings)(
-            params
-        )
-        opt_state = init_state(self.tx, params, self.mesh, self.axis_name)
-        self._per_replica = self._per_replica_of(opt_state)
-        if self._per_replica:
-            n, sharding = self.num_devices, self.per_replica
-            params = jax.jit(
-                lambda p: jax.tree.map(lambda a: jnp.stack([a] * n), p), out_shardings=sharding
-            )(params)
-        return params, opt_state
-
-    def _layout_of(self, params):
-        """The parameters' shardings: replicated over the data axes, laid
-        out over a model axis as given."""
-        self._check_model_axes([self._model_entries(x) for x in jax.tree.leaves(params)])
         return jax.tree.map(
-            lambda x: NamedSharding(self.mesh, _spec(self._model_entries(x))), params
+            lambda x: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(x)),
+            local_batch,
         )
 
-    def _per_replica_of(self, opt_state) -> bool:
-        """Whether ``opt_state`` is that of an optimizer whose replicas keep
-        parameters of their own (``jc.optax.diloco``), checked against what
-        this step supports."""
-        if not any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
-            return False
-        others = [a for a in self.mesh.axis_names if a not in self._axes and self.mesh.shape[a] > 1]
-        if others:
-            raise ValueError(
-                f"jc.data_parallel: jc.optax.diloco keeps one copy of the parameters per replica "
-                f"and runs on a mesh of the data axes only, not one with {others} besides them"
-            )
-        if len(self._axes) > 1:
-            raise ValueError(
-                "jc.data_parallel: jc.optax.diloco runs over one data axis here, not the "
-                f"pair {self.axis_name!r}; for a slow axis synchronized by diloco and a fast one "
-                "averaged at every step, write the shard_map step of docs/diloco.md "
-                "('Two levels')"
-            )
-        return True
+    def _check_batch(self, batch) -> None:
+        leaves = jax.tree.leaves(batch)
+        if not leaves:
+            raise ValueError("jc.data_parallel: the batch has no arrays")
+        per = self.num_devices * self.accumulate_steps
+        for x in leaves:
+            if not np.ndim(x) or np.shape(x)[0] % per:
+                raise ValueError(
+                    f"jc.data_parallel: every batch array needs a leading (batch) axis that is "
+                    f"a multiple of {per} ({self.num_devices} data devices x accumulate_steps="
+                    f"{self.accumulate_steps}); got shape {np.shape(x)}"
+                )
 
-    def _model_params(self, params):
-        if self._per_replica:  # one copy per replica: the first
-            return jax.tree.map(lambda a: a[0], params)
-        return params
+    def _lay_out(self, x, sharding):
+        """``x`` laid out as ``sharding`` inside the jitted step (a batch
+        laid out otherwise, a host array say, is resharded: shard_map takes
+        it as it is on Auto axes, but refuses a mismatch on Explicit ones)."""
+        if self._explicit:
+            return jax.sharding.reshard(x, sharding)
+        return lax.with_sharding_constraint(x, sharding)
 
     # -- the step ----------------------------------------------------------
 
-    def __call__(self, params, opt_state, batch, key: jax.Array | None = None):
+    def __call__(self, params, state, batch, key: jax.Array | None = None):
         """One training step.
 
         Args:
           params: the parameters, as :meth:`init` returned them (or the
             previous step).
-          opt_state: the optimizer state, likewise.
+          state: the optimizer state (sharded: the ``ShardedState``), likewise.
           batch: a pytree of global arrays whose leading axis is the global
             batch, a multiple of the number of data devices (times
             ``accumulate_steps``); best sharded as ``batch_sharding``
@@ -462,30 +457,61 @@ class DataParallel(_StepBase):
             ``fold_in(key, device index)`` (and the microbatch index when
             accumulating), a different key on every device.
         Returns:
-          ``(params, opt_state, loss)``, or ``(params, opt_state, (loss,
-          aux))`` with ``has_aux``: the loss averaged over the devices (and
+          ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with
+          ``has_aux``: the loss averaged over the devices (and
           microbatches); aux's floating-point leaves averaged likewise, its
-          integer leaves summed. Under ``jc.optax.diloco``, whose steps
-          within a round run no collective, each device's own instead
-          (a leading axis of one entry per device).
+          integer leaves summed. Under ``jc.optax.diloco``, each device's own
+          instead (a leading axis of one entry per device).
         """
         self._check_batch(batch)
-        check_laid_out(opt_state)
-        if self._step is None:
-            self._per_replica = self._per_replica_of(opt_state)
-            if self._param_shardings is None:  # a state made without init()
-                self._param_shardings = self._layout_of(params)
-            self._step = self._build()
-        if self._per_replica:
-            self._check_per_replica(params)
-        else:
-            _check_replicated(params, "the step", self._axes)
+        step = self._built(params, state)
+        if self.shard_params is None:
+            if self._per_replica:
+                self._check_per_replica(params)
+            else:
+                _check_replicated(params, "the step", self._axes)
         keys = () if key is None else (key,)  # jit traces each arity once
-        params, opt_state, out, changed = self._dispatch(
-            params, opt_state, batch, self._rest(), *keys
-        )
+        self._wait_for_room()
+        params, state, out, changed = step(params, state, batch, self._rest(), *keys)
+        if self.max_in_flight is not None:
+            self._in_flight.append(out)  # ready when the step has finished
         self._keep_rest(changed)
-        return params, opt_state, out
+        return params, state, out
+
+    def lower(self, params, state, batch, key: jax.Array | None = None):
+        """The step lowered for these arguments (``jax.stages.Lowered``):
+        ``.compile()`` gives the executable the calls run, whose
+        ``as_text()`` holds its collectives and ``memory_analysis()`` its
+        buffers."""
+        keys = () if key is None else (key,)
+        return self._built(params, state).lower(params, state, batch, self._rest(), *keys)
+
+    def _built(self, params, state):
+        """The jitted step, built on the first call."""
+        if self._step is not None:
+            return self._step
+        if self.shard_params is not None:
+            if self._layout is None:
+                raise ValueError("jc.data_parallel: call init(params) before the step")
+            self._step = self._build_sharded()
+            return self._step
+        check_laid_out(state)
+        self._per_replica = self._per_replica_of(state)
+        if self._param_shardings is None:  # a state made without init()
+            self._param_shardings = self._layout_of(params)
+        self._step = self._build()
+        return self._step
+
+    def _wait_for_room(self) -> None:
+        """Blocks until fewer than ``max_in_flight`` steps are unfinished.
+
+        A step's outputs are ready once its program has finished on every
+        device (its loss is an output of that program), so waiting on the
+        oldest pending loss frees its slot without touching the parameters
+        that the next step donates.
+        """
+        while self.max_in_flight is not None and len(self._in_flight) >= self.max_in_flight:
+            jax.block_until_ready(self._in_flight.popleft())
 
     def _check_per_replica(self, params) -> None:
         for x in jax.tree.leaves(params):
@@ -501,26 +527,39 @@ class DataParallel(_StepBase):
                     f"{self._axes[0]!r}, as init() returns them; got shape {np.shape(x)}"
                 )
 
-    def _build(self):
+    def _device_grads(self, loss_of, params, rest, batch, key, extra=()):
+        """What every device computes first, in both modes: the loss and
+        the gradients of ``loss_of(params, *extra, rest, batch, *key)`` with
+        respect to ``params`` and ``extra``, its key folded with the
+        device's index, the NNX streams a stream per device. Returns
+        ``((loss, aux), grads, rest, mutated)``."""
         axes = self._axes if len(self._axes) > 1 else self._axes[0]
+        if key is not None:
+            key = jax.random.fold_in(key, lax.axis_index(axes))
+        rest = _per_device_streams(rest, axes)
+        mutated: list = []
+        loss = functools.partial(loss_of, mutated=mutated)
+        if self.accumulate_steps > 1:
+            grad_fn = jax.value_and_grad(loss, has_aux=True)
+            out, grads, rest = self._accumulate(grad_fn, params, rest, batch, key)
+            return out, grads, rest, mutated
+        argnums = tuple(range(1 + len(extra)))
+        grad_fn = jax.value_and_grad(loss, argnums=argnums, has_aux=True)
+        args = () if key is None else (key,)
+        (loss, (aux, rest)), grads = grad_fn(params, *extra, rest, batch, *args)
+        return (loss, aux), grads if extra else grads[0], rest, mutated
 
+    def _build(self):
+        """The replicated step: ``tx`` (with its all-reduce) on every device."""
+        axes = self._axes if len(self._axes) > 1 else self._axes[0]
         per_replica = self._per_replica
 
         def local(params, opt_state, batch, rest, key=None):
             if per_replica:  # this replica's copy
                 params = jax.tree.map(lambda a: a[0], params)
-            mutated: list = []
-            grad_fn = jax.value_and_grad(
-                functools.partial(self._loss, mutated=mutated), has_aux=True
+            (loss, aux), grads, rest, mutated = self._device_grads(
+                self._loss, params, rest, batch, key
             )
-            if key is not None:
-                key = jax.random.fold_in(key, lax.axis_index(axes))
-            rest = _per_device_streams(rest, axes)
-            if self.accumulate_steps == 1:
-                args = () if key is None else (key,)
-                (loss, (aux, rest)), grads = grad_fn(params, rest, batch, *args)
-            else:
-                (loss, aux), grads, rest = self._accumulate(grad_fn, params, rest, batch, key)
             if self.require_all_reduce and not per_replica:
                 check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
             updates, opt_state = self.tx.update(grads, opt_state, params)
@@ -545,7 +584,7 @@ class DataParallel(_StepBase):
         def step(params, opt_state, batch, rest, *key):
             state_specs = partition_specs(opt_state, self.axis_name)
             own = self._data_spec if per_replica else P()  # parameters, metrics
-            batch = jax.tree.map(self._lay_out_batch, batch)
+            batch = jax.tree.map(lambda x: self._lay_out(x, self.batch_sharding), batch)
             f = jax.shard_map(
                 local,
                 mesh=self.mesh,
@@ -570,13 +609,115 @@ class DataParallel(_StepBase):
 
         return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
 
+    def _build_sharded(self):
+        """The sharded step: gathers and reduce-scatters in the backward
+        pass, inside ``shard_map``; ``tx`` on the global mean gradients."""
+        from jaxcomp import fsdp
+
+        layout, cfg = self._layout, self.shard_params
+        axes = layout.axes
+
+        def local(params, residuals, batch, rest, count, *key):
+            residuals = tuple(r[0] for r in residuals)
+            probes = layout.probes(residuals)
+            base = jax.random.fold_in(jax.random.key(cfg.seed), count)
+
+            def loss_of(shards, residuals, probes, rest, batch, *key, mutated):
+                params = layout.gathered(shards, (residuals, probes), base)
+                return self._loss(params, rest, batch, *key, mutated=mutated)
+
+            (loss, aux), (grads, new_res, ran), rest, mutated = self._device_grads(
+                loss_of, params, rest, batch, key[0] if key else None, extra=(residuals, probes)
+            )
+            # A residual comes back as its "gradient" where its gather's
+            # backward pass ran (the probe's gradient is 1 there), else as it
+            # was: a parameter the loss did not use keeps what it owes.
+            new_res = tuple(
+                jnp.where(g.reshape(g.shape + (1,) * (r.ndim - g.ndim)) > 0, n, r)
+                for g, n, r in zip(ran, new_res, residuals, strict=True)
+            )
+            # Replicated leaves: their gradients averaged exactly.
+            g = layout.treedef.flatten_up_to(grads)
+            g = [
+                lax.pmean(x, axes) if d is None else x for x, d in zip(g, layout.dims, strict=True)
+            ]
+            # A step whose mean gradient is not finite changes nothing (every
+            # device agrees: the flag is reduced over the data axes).
+            ok = all_finite(jax.tree.leaves((g, new_res))).astype(jnp.int32)
+            ok = lax.pmin(ok, axes).astype(bool)
+            out = _reduce_metrics((loss, aux) if self.has_aux else loss, axes)
+            return (
+                layout.treedef.unflatten(g),
+                tuple(r[None] for r in new_res),
+                ok,
+                out,
+                _average_mutated(rest, mutated, axes),
+            )
+
+        def step(params, state, batch, rest, *key):
+            batch = jax.tree.map(lambda x: self._lay_out(x, self.batch_sharding), batch)
+            per_device = tuple(P(axes) for _ in state.residuals)
+            f = jax.shard_map(
+                local,
+                mesh=self.mesh,
+                in_specs=(
+                    layout.manual_specs,
+                    per_device,
+                    jax.tree.map(lambda _: P(axes), batch),
+                    P(),
+                    P(),
+                    *((P(),) * len(key)),
+                ),
+                out_specs=(layout.manual_specs, per_device, P(), P(), P()),
+                axis_names=frozenset(self._axes),
+                check_vma=False,
+            )
+            grads, residuals, ok, out, changed = f(
+                params, state.residuals, batch, rest, state.step, *key
+            )
+            # A step that is not finite changes nothing. A branch rather than a
+            # select of new against old: the update's buffers can then take the
+            # old ones' place, as they would without the rule.
+            params, opt_state = lax.cond(
+                ok,
+                self._update,
+                lambda g, o, p: (p, o),
+                grads,
+                state.opt_state,
+                params,
+            )
+            residuals = jax.tree.map(
+                lambda new, old: jnp.where(ok, new, old), residuals, state.residuals
+            )
+            return params, fsdp.ShardedState(opt_state, residuals, state.step + 1), out, changed
+
+        return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
+
+    def _update(self, grads, opt_state, params):
+        """``tx``'s update on global arrays, partitioned by XLA (sharded)."""
+        from jaxcomp import fsdp
+
+        def update(g, o, p):
+            updates, o = self.tx.update(g, o, p)
+            return optax.apply_updates(p, updates), o
+
+        shardings = (self._param_shardings, self._opt_shardings)
+        if self._explicit:  # XLA lays out what the update computes in between
+            update = jax.sharding.auto_axes(update, out_sharding=shardings)
+        try:
+            out = update(grads, opt_state, params)
+        except NameError as e:  # a collective over a data axis, which is not bound here
+            raise ValueError(
+                fsdp.averages_message("jc.data_parallel(shard_params=...)", "tx", e)
+            ) from e
+        if not self._explicit:
+            out = lax.with_sharding_constraint(out, shardings)
+        return out
+
     def _keep_layout(self, params):
         if all(self.mesh.shape[a] == 1 for a in self.mesh.axis_names if a not in self._axes):
             return params  # a mesh of the data axes: replicated, as shard_map returns them
-        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
-        if all(t == jax.sharding.AxisType.Explicit for t in types.values()):
-            return jax.sharding.reshard(params, self._param_shardings)
-        return lax.with_sharding_constraint(params, self._param_shardings)
+        return self._lay_out(params, self._param_shardings)
 
     def _accumulate(self, grad_fn, params, rest, batch, key):
         """Gradient accumulation: the local batch in ``accumulate_steps``

@@ -459,3 +459,10 @@ def test_jc_optax_relayout_points_to_the_steps_own():
     params, state = step.init({"a": jnp.zeros((64, 24))})
     with pytest.raises(ValueError, match=r"sharded step.*step\.relayout\(saved"):
         jc.optax.relayout(state, optax.sgd(1.0), params, mesh, "fsdp")
+
+
+def test_sharded_data_parallel_is_deprecated_for_data_parallel():
+    mesh = jax.make_mesh((8,), ("fsdp",))
+    with pytest.warns(DeprecationWarning, match=r"jc\.data_parallel\(.*shard_params"):
+        step = fsdp.ShardedDataParallel(_mlp, optax.sgd(0.1), mesh, "fsdp")
+    assert isinstance(step, jc.DataParallel) and step.shard_params.axis == "fsdp"

@@ -237,3 +237,17 @@ def test_onebit_adam_powersgd_and_diloco_states_relayout():
                     np.asarray(o, np.float64).mean(0),
                     atol=1e-6 * max(1.0, float(np.abs(np.asarray(o)).max())),
                 )
+
+
+def test_the_steps_own_relayout_is_jc_optax_relayouts():
+    """``step.relayout`` of the replicated step: the state jc.optax.relayout
+    makes, so both modes of jc.data_parallel move a saved state alike."""
+    _, opt_state, _ = saved_on_8()
+    mesh4 = _mesh((4,), ("data",))
+    tx = _tx("data", "two_phase")
+    step = jc.data_parallel(_loss, tx, mesh4, donate=False)
+    step.init(PARAMS)
+    moved = step.relayout(jax.device_get(opt_state))
+    want = jc.optax.relayout(jax.device_get(opt_state), tx, PARAMS, mesh4, "data")
+    for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
