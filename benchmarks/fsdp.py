@@ -375,7 +375,7 @@ def run_accuracy(task: str, labels, seeds, steps, log) -> None:
             if str(seed) in done and done[str(seed)]["steps"] == steps:
                 continue
             t0 = time.time()
-            row = train(designs[label], steps, seed)
+            row = {**train(designs[label], steps, seed), "date": DATE}
             log(
                 f"{label} seed {seed}: held-out loss {row['test_loss']:.4f} "
                 f"({time.time() - t0:.0f} s)"
@@ -465,8 +465,8 @@ def accuracy_table(acc: dict, task: str = "lm") -> str:
     unit = "nats/byte" if task == "lm" else "nats/token"
     lines = [
         f"| design | seeds | held-out loss ({unit}) | relative difference per seed (%) | "
-        "absolute difference per seed | mean difference (%) ± SE |",
-        "|---|---|---|---|---|---|",
+        "absolute difference per seed | mean difference (%) ± SE | measured |",
+        "|---|---|---|---|---|---|---|",
     ]
     rows = ACCURACY_ROWS if task == "lm" else list(SORT_DESIGNS)
     order = [k for k in rows if k in acc] + [k for k in acc if k not in rows]
@@ -478,15 +478,16 @@ def accuracy_table(acc: dict, task: str = "lm") -> str:
             f"± {loss.std(ddof=1) if len(loss) > 1 else 0:.4f} |"
         )
         paired = [s for s in seeds if s in base]
+        date = ", ".join(sorted({runs[s].get("date", "?") for s in seeds}))
         if label == base_label or not paired:
-            lines.append(line + " | | |")
+            lines.append(line + f" | | | {date} |")
             continue
         rel = np.array([100.0 * (runs[s]["test_loss"] / base[s]["test_loss"] - 1) for s in paired])
         diff = [runs[s]["test_loss"] - base[s]["test_loss"] for s in paired]
         m, se = _mean_se(rel)
         per = ", ".join(f"{v:+.2f}" for v in rel)
         absolute = ", ".join(f"{v:+.4f}" for v in diff)
-        lines.append(line + f" {per} | {absolute} | {m:+.2f} ± {se:.2f} |")
+        lines.append(line + f" {per} | {absolute} | {m:+.2f} ± {se:.2f} | {date} |")
     steps = {r["steps"] for runs in acc.values() for r in runs.values()}
     return "\n".join(lines) + (
         f"\n\nHeld-out loss after {', '.join(map(str, sorted(steps)))} steps (mean ± sd over "

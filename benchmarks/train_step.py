@@ -67,7 +67,7 @@ def _tx(kind, axis, **kw):
     import jaxcomp as jc
 
     def pmean():
-        return jc.optax.pmean(axis)  # the uncompressed baseline
+        return jc.optax.uncompressed_mean(axis)  # the uncompressed baseline
 
     if kind is None:
         return optax.chain(pmean(), optax.sgd(0.01))

@@ -323,7 +323,7 @@ class ShardedState(NamedTuple):
 _AVERAGING = {
     OneBitAdamState: "jc.optax.onebit_adam",
     "CompressState": "jc.optax.compress_gradients",
-    "PmeanState": "jc.optax.pmean",
+    "PmeanState": "jc.optax.uncompressed_mean",
     "PowerSGDState": "jc.optax.powersgd",
     "DiLoCoState": "jc.optax.diloco",
 }
@@ -756,7 +756,7 @@ def averages_message(who: str, what: str, e: Exception) -> str:
         f"{who}: {what} runs a collective over a mesh axis ({e}); in the sharded step the "
         "optimizer runs on global arrays, outside shard_map, and the step's own collectives "
         "average the gradients. Pass an optimizer without collectives (no lax.pmean, no "
-        "jc.optax.compress_gradients or jc.optax.pmean in the chain)"
+        "jc.optax.compress_gradients or jc.optax.uncompressed_mean in the chain)"
     )
 
 

@@ -80,7 +80,7 @@ class DataParallel:
     device computes ``loss_fn`` and its gradient on its shard of the batch.
     Replicated (the default): ``tx``, whose first element all-reduces the
     gradients (``jc.optax.compress_gradients``, ``onebit_adam``,
-    ``powersgd``, ``diloco`` or the uncompressed ``jc.optax.pmean``), runs
+    ``powersgd``, ``diloco`` or the uncompressed ``jc.optax.uncompressed_mean``), runs
     on every device. Sharded (``shard_params=``, docs/fsdp.md): the step
     all-gathers each parameter where the loss uses it and reduce-scatters
     its gradient, and ``tx``, any optax optimizer, runs on the mean
@@ -819,7 +819,7 @@ def _not_reduced_message(name: str, axis_name, missing) -> str:
         "through a collective, so every device would update its own copy of parameters "
         "typed as replicated and the copies would silently drift apart. Put the all-reduce "
         f"first in the chain: optax.chain(jc.optax.compress_gradients(codec, {axis!r}), "
-        f"optax.adam(1e-3)), or optax.chain(jc.optax.pmean({axis!r}), optax.adam(1e-3)) "
+        f"optax.adam(1e-3)), or optax.chain(jc.optax.uncompressed_mean({axis!r}), optax.adam(1e-3)) "
         "for the uncompressed baseline (also jc.optax.onebit_adam, jc.optax.powersgd)."
     )
 

@@ -40,7 +40,7 @@ def train(variance_floor="default"):
     devices."""
     mesh = jax.make_mesh((N,), (AXIS,), axis_types=(jax.sharding.AxisType.Auto,))
     if variance_floor is None:
-        tx = optax.chain(jc.optax.pmean(AXIS), optax.adam(LR))
+        tx = optax.chain(jc.optax.uncompressed_mean(AXIS), optax.adam(LR))
     else:
         kw = {} if variance_floor == "default" else {"variance_floor": variance_floor}
         tx = jc.optax.onebit_adam(LR, AXIS, warmup_steps=WARM, **kw)

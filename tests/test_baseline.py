@@ -1,4 +1,4 @@
-"""jc.optax.pmean, the uncompressed baseline, and jc.data_parallel's refusal
+"""jc.optax.uncompressed_mean, the uncompressed baseline, and jc.data_parallel's refusal
 of a chain that does not all-reduce the gradients.
 
 The baseline is the hand-written lax.pmean step, bit for bit, with
@@ -69,7 +69,7 @@ def test_baseline_is_the_hand_written_pmean_step_bit_for_bit(shape, axes):
     mesh = auto_mesh(shape, (axes,) if isinstance(axes, str) else axes)
     params0, batch = _problem()
     step = jc.data_parallel(
-        mlp_loss, optax.chain(jc.optax.pmean(axes), optax.adam(1e-2)), mesh, axes
+        mlp_loss, optax.chain(jc.optax.uncompressed_mean(axes), optax.adam(1e-2)), mesh, axes
     )
     params, opt_state = step.init(params0)
     batch = step.shard_batch(batch)
@@ -92,7 +92,7 @@ def test_baseline_is_the_hand_written_pmean_step_bit_for_bit(shape, axes):
 def test_baseline_telemetry_reports_the_uncompressed_all_reduce(dtype, bits):
     mesh = auto_mesh()
     params0, batch = _problem(dtype)
-    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    tx = optax.chain(jc.optax.uncompressed_mean("data"), optax.sgd(0.1))
     opt_state = jc.optax.init(tx, params0, mesh, "data")
     specs = jc.optax.state_specs(opt_state, "data")
     assert all(s == P() for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)))
@@ -120,7 +120,7 @@ def test_data_parallel_refuses_a_chain_without_all_reduce():
         ValueError, match=r"^jc\.data_parallel: the optimizer does not average"
     ) as e:
         step(params, opt_state, batch)
-    assert "jc.optax.pmean('data')" in str(e.value)
+    assert "jc.optax.uncompressed_mean('data')" in str(e.value)
     assert "jc.optax.compress_gradients(codec, 'data')" in str(e.value)
 
 
@@ -147,7 +147,10 @@ def test_a_one_device_mesh_needs_no_all_reduce(tx):
 
 def _one_leaf_unreduced():
     return optax.multi_transform(
-        {"reduced": optax.chain(jc.optax.pmean("data"), optax.sgd(0.1)), "plain": optax.sgd(0.1)},
+        {
+            "reduced": optax.chain(jc.optax.uncompressed_mean("data"), optax.sgd(0.1)),
+            "plain": optax.sgd(0.1),
+        },
         {"w1": "reduced", "b1": "reduced", "w2": "plain"},
     )
 
@@ -180,9 +183,13 @@ def test_a_missing_all_reduce_is_found_inside_wrappers(make_tx, leaf):
         ),
         lambda: jc.optax.onebit_adam(1e-3, "data", warmup_steps=1),
         lambda: optax.chain(jc.optax.powersgd("data", rank=2), optax.sgd(0.1)),
-        lambda: optax.MultiSteps(optax.chain(jc.optax.pmean("data"), optax.adam(1e-3)), 2),
+        lambda: optax.MultiSteps(
+            optax.chain(jc.optax.uncompressed_mean("data"), optax.adam(1e-3)), 2
+        ),
         lambda: optax.inject_hyperparams(
-            lambda learning_rate: optax.chain(jc.optax.pmean("data"), optax.sgd(learning_rate))
+            lambda learning_rate: optax.chain(
+                jc.optax.uncompressed_mean("data"), optax.sgd(learning_rate)
+            )
         )(learning_rate=0.1),
     ],
     ids=["compress", "compress_ring", "onebit_adam", "powersgd", "multisteps", "inject"],
@@ -199,12 +206,20 @@ def test_every_all_reduce_passes_and_keeps_the_replicas_equal(make_tx):
 
 
 def test_baseline_misuse_raises():
-    with pytest.raises(ValueError, match=r"^jc\.optax\.pmean: axis_name must be"):
-        jc.optax.pmean(("a", "b", "c"))
-    tx = jc.optax.pmean("data")
+    with pytest.raises(ValueError, match=r"^jc\.optax\.uncompressed_mean: axis_name must be"):
+        jc.optax.uncompressed_mean(("a", "b", "c"))
+    tx = jc.optax.uncompressed_mean("data")
     grads = {"w": jnp.ones(3)}
-    with pytest.raises(ValueError, match=r"^jc\.optax\.pmean: update must run inside"):
+    with pytest.raises(ValueError, match=r"^jc\.optax\.uncompressed_mean: update must run inside"):
         tx.update(grads, tx.init(grads))
     # Adam before the all-reduce would keep each device's moments.
     with pytest.raises(ValueError, match="before the compressed all-reduce"):
         jc.optax.init(optax.chain(optax.adam(1e-3), tx), grads, auto_mesh(), "data")
+
+
+def test_the_old_name_is_deprecated():
+    """jc.optax.pmean (the transformation) shared its name with jc.pmean
+    (the collective): it warns and names uncompressed_mean."""
+    with pytest.warns(DeprecationWarning, match=r"jc\.optax\.uncompressed_mean"):
+        tx = jc.optax.pmean("data")
+    assert isinstance(tx.init({"w": jnp.zeros(3)}), jc.optax.PmeanState)

@@ -187,7 +187,10 @@ def test_the_update_stays_sharded():
             "compress_gradients",
             lambda: optax.chain(jc.optax.compress_gradients("int8", "fsdp"), optax.sgd(0.1)),
         ),
-        ("pmean", lambda: optax.chain(jc.optax.pmean("fsdp"), optax.sgd(0.1))),
+        (
+            "uncompressed_mean",
+            lambda: optax.chain(jc.optax.uncompressed_mean("fsdp"), optax.sgd(0.1)),
+        ),
         ("onebit_adam", lambda: jc.optax.onebit_adam(1e-3, "fsdp", warmup_steps=2)),
         ("powersgd", lambda: optax.chain(jc.optax.powersgd("fsdp"), optax.sgd(0.1))),
         ("diloco", lambda: jc.optax.diloco(optax.sgd(0.1), "fsdp", sync_every=2)),
@@ -355,7 +358,7 @@ def test_nnx_model_with_dropout_trains_with_a_stream_per_device():
         "replicated": (
             jax.make_mesh((8,), ("data",)),
             {},
-            optax.chain(jc.optax.pmean("data"), optax.adam(1e-2)),
+            optax.chain(jc.optax.uncompressed_mean("data"), optax.adam(1e-2)),
         ),
     }.items():
         step = jc.data_parallel(loss, tx, mesh, donate=False, **kwargs)

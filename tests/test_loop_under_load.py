@@ -179,7 +179,9 @@ if __name__ == "__main__":
         "qsgd:bits=4 + sgd momentum": optax.chain(
             jc.optax.compress_gradients("qsgd:bits=4", "data"), optax.sgd(0.1, momentum=0.9)
         ),
-        "pmean + sgd momentum": optax.chain(jc.optax.pmean("data"), optax.sgd(0.1, momentum=0.9)),
+        "pmean + sgd momentum": optax.chain(
+            jc.optax.uncompressed_mean("data"), optax.sgd(0.1, momentum=0.9)
+        ),
     }
     result = _steps_per_second(chains)
     print("| chain | max_in_flight=1 (CPU default) | None (unbounded) | cost |")

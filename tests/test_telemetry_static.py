@@ -37,7 +37,7 @@ def _static(opt_state) -> dict[str, float]:
 # test_warmup_figures_...; onebit_adam's compress state is compress_gradients').
 TRANSFORMS = {
     "qsgd-two_phase": lambda: jc.optax.compress_gradients("qsgd:bits=4", "data"),
-    "pmean": lambda: jc.optax.pmean("data"),
+    "pmean": lambda: jc.optax.uncompressed_mean("data"),
     "powersgd": lambda: jc.optax.powersgd("data", rank=2, min_compression_rate=1.0),
     "powersgd-warmup": lambda: jc.optax.powersgd("data", rank=2, warmup_steps=1),
     "diloco": lambda: jc.optax.diloco(optax.sgd(0.1), "data", sync_every=2, codec="int8"),

@@ -380,7 +380,7 @@ def test_nnx_batchnorm_statistics_are_averaged_and_carried(k):
     (on each microbatch in turn); the step keeps their average over the
     devices, replicated, and the next step starts from it."""
     mesh = auto_mesh()
-    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    tx = optax.chain(jc.optax.uncompressed_mean("data"), optax.sgd(0.1))
     step = jc.data_parallel(_bn_loss, tx, mesh, accumulate_steps=k, donate=False)
     model = _bn_net()
     params, opt_state = step.init(model)
@@ -413,7 +413,7 @@ def test_cpu_mesh_keeps_one_step_in_flight():
     the next (tests/test_loop_under_load.py runs the documented loop under
     load); max_in_flight sets or lifts the bound."""
     mesh = auto_mesh()
-    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    tx = optax.chain(jc.optax.uncompressed_mean("data"), optax.sgd(0.1))
     params0, batch = _mlp()
     step = jc.data_parallel(mlp_loss, tx, mesh)
     assert step.max_in_flight == 1
@@ -445,7 +445,7 @@ def test_nnx_loss_that_adds_variables_is_refused():
             self.last_mean = nnx.BatchStat(jnp.mean(y))
             return y
 
-    tx = optax.chain(jc.optax.pmean("data"), optax.sgd(0.1))
+    tx = optax.chain(jc.optax.uncompressed_mean("data"), optax.sgd(0.1))
     step = jc.data_parallel(lambda m, b: jnp.mean((m(b[0]) - b[1]) ** 2), tx, auto_mesh())
     params, opt_state = step.init(Lazy(nnx.Rngs(0)))
     with pytest.raises(ValueError, match=r"added or removed variables.*has_aux=True"):

@@ -9,7 +9,7 @@ how each step sends the gradients, and the state does not depend on them.
 (1-bit Adam); ``powersgd`` sends a low-rank approximation of every
 matrix-shaped gradient (PowerSGD); ``diloco`` synchronizes the replicas every H steps only
 (DiLoCo), optionally through a codec with error feedback (SparseLoCo's
-decaying accumulator included); ``pmean`` is the uncompressed baseline
+decaying accumulator included); ``uncompressed_mean`` is the uncompressed baseline
 (``lax.pmean`` of the gradients, with telemetry). ``relayout`` moves a
 saved state onto another number of devices or mesh. See docs/training.md.
 """
@@ -18,7 +18,7 @@ from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_ad
 from jaxcomp.optax._chain import init
 from jaxcomp.optax._diloco import DiLoCoState, diloco
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
-from jaxcomp.optax._pmean import PmeanState, pmean
+from jaxcomp.optax._pmean import PmeanState, pmean, uncompressed_mean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
 from jaxcomp.optax._relayout import relayout
 from jaxcomp.optax._state import state_specs, telemetry
@@ -45,4 +45,5 @@ __all__ = [
     "scale_by_onebit_adam",
     "state_specs",
     "telemetry",
+    "uncompressed_mean",
 ]

@@ -1,4 +1,4 @@
-"""``pmean``: the uncompressed gradient all-reduce as an optax
+"""``uncompressed_mean``: the uncompressed gradient all-reduce as an optax
 transformation, the baseline that ``compress_gradients`` is measured
 against. It is what a hand-written data-parallel step does with
 ``lax.pmean(grads, axis)``, with a state that ``jc.optax.init``,
@@ -7,6 +7,7 @@ against. It is what a hand-written data-parallel step does with
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -25,12 +26,12 @@ from jaxcomp.optax._telemetry import (
     zero_telemetry,
 )
 
-_WHO = "jc.optax.pmean"
+_WHO = "jc.optax.uncompressed_mean"
 
 
 @all_reduce_state()
 class PmeanState(NamedTuple):
-    """State of :func:`pmean` (every leaf replicated: nothing is per device).
+    """State of :func:`uncompressed_mean` (every leaf replicated: nothing is per device).
 
     Attributes:
       step: int32[]: updates applied so far.
@@ -61,7 +62,7 @@ def _is_reduced(g) -> bool:
     return jnp.issubdtype(g.dtype, jnp.inexact)
 
 
-def pmean(axis_name="data") -> optax.GradientTransformation:
+def uncompressed_mean(axis_name="data") -> optax.GradientTransformation:
     """The mean of the gradients over ``axis_name``, uncompressed.
 
     The documented baseline: the first element of an ``optax.chain`` inside
@@ -101,6 +102,17 @@ def pmean(axis_name="data") -> optax.GradientTransformation:
         )
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def pmean(axis_name="data") -> optax.GradientTransformation:
+    """Deprecated: :func:`uncompressed_mean` (``jc.pmean`` is the collective)."""
+    warnings.warn(
+        "jc.optax.pmean is deprecated: it is the uncompressed baseline transformation, "
+        "jc.optax.uncompressed_mean (jc.pmean is the compressed collective)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return uncompressed_mean(axis_name)
 
 
 def _telemetry(grads, sizes: tuple[int, ...], previous: Telemetry) -> Telemetry:

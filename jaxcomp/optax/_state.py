@@ -85,7 +85,7 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
       opt_state: an optimizer state holding a :class:`CompressState`
         (or a ``powersgd`` or ``pmean`` state) anywhere (a chain,
         ``inject_hyperparams``, ``MultiSteps``, ...; the first one counts
-        if there are several). The uncompressed ``jc.optax.pmean``
+        if there are several). The uncompressed ``jc.optax.uncompressed_mean``
         reports the gradients' own bits per element and the bytes its
         all-reduce sends (see :class:`PmeanState`).
     Returns:
@@ -120,7 +120,7 @@ def state_specs(opt_state, axis_name) -> Any:
     the accumulated gradients of an ``optax.MultiSteps`` whose inner state
     holds a ``compress_gradients`` (or ``pmean``) state (they are summed
     before the all-reduce, so they differ per device; they are stored
-    concatenated along their first axis). A ``jc.optax.pmean`` state is
+    concatenated along their first axis). A ``jc.optax.uncompressed_mean`` state is
     replicated.
 
     Args:

@@ -119,7 +119,7 @@ def _stats(payload: float, wire: float, elements: int, p: int) -> tuple[float, f
 def exact_stats(payload: int, elements: int, p: int) -> tuple[float, float, float]:
     """(bits_per_element, wire_bytes, compression_ratio) of an uncompressed
     all-reduce of ``payload`` bytes holding ``elements`` gradient elements
-    over ``p`` devices (``jc.optax.pmean``): what a ring all-reduce sends."""
+    over ``p`` devices (``jc.optax.uncompressed_mean``): what a ring all-reduce sends."""
     return _stats(payload, uncompressed_send_nbytes(payload, p), elements, p)
 
 
