@@ -50,8 +50,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import collectives
 from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
-from jaxcomp.optax import OneBitAdamState
-from jaxcomp.optax._state import find_states
+from jaxcomp.optax import OneBitAdamState, all_reduce_states
 
 __all__ = [
     "Shard",
@@ -335,7 +334,7 @@ def _averaging_transform(opt_state) -> str | None:
     for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, OneBitAdamState)):
         if isinstance(x, OneBitAdamState):
             return _AVERAGING[OneBitAdamState]
-    for s in find_states(opt_state):
+    for s in all_reduce_states(opt_state):
         return _AVERAGING.get(type(s).__name__, type(s).__name__)
     return None
 

@@ -1103,8 +1103,7 @@ def step_buckets(codec: Codec | None, shapes: Sequence[tuple[int, ...]], **plan_
     of every leaf (what ``lax.pmean`` of the gradients moves)."""
     import jax
 
-    from jaxcomp.optax._config import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
-    from jaxcomp.optax._plan import make_plan
+    from jaxcomp.optax import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE, make_plan
 
     if codec is None:
         return [(None, sum(math.prod(s) for s in shapes))]

@@ -49,10 +49,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp._axes import names_of
-from jaxcomp.optax import DiLoCoState
+from jaxcomp.collectives import all_finite
+from jaxcomp.optax import DiLoCoState, all_reduce_states, state_specs
 from jaxcomp.optax import init as init_state
-from jaxcomp.optax._state import check_laid_out, find_states, partition_specs
-from jaxcomp.optax._step import all_finite
 
 __all__ = ["DataParallel", "data_parallel"]
 
@@ -276,7 +275,7 @@ class DataParallel:
         """Whether ``opt_state`` is that of an optimizer whose replicas keep
         parameters of their own (``jc.optax.diloco``), checked against what
         this step supports."""
-        if not any(isinstance(s, DiLoCoState) for s in find_states(opt_state)):
+        if not any(isinstance(s, DiLoCoState) for s in all_reduce_states(opt_state)):
             return False
         others = [a for a in self.mesh.axis_names if a not in self._axes and self.mesh.shape[a] > 1]
         if others:
@@ -495,7 +494,7 @@ class DataParallel:
                 raise ValueError("jc.data_parallel: call init(params) before the step")
             self._step = self._build_sharded()
             return self._step
-        check_laid_out(state)
+        state_specs(state, self.axis_name, strict=False)  # raises for one made off the mesh
         self._per_replica = self._per_replica_of(state)
         if self._param_shardings is None:  # a state made without init()
             self._param_shardings = self._layout_of(params)
@@ -582,7 +581,7 @@ class DataParallel:
             return expand(params), opt_state, expand(out), [None] * len(mutated)
 
         def step(params, opt_state, batch, rest, *key):
-            state_specs = partition_specs(opt_state, self.axis_name)
+            specs = state_specs(opt_state, self.axis_name, strict=False)
             own = self._data_spec if per_replica else P()  # parameters, metrics
             batch = jax.tree.map(lambda x: self._lay_out(x, self.batch_sharding), batch)
             f = jax.shard_map(
@@ -590,12 +589,12 @@ class DataParallel:
                 mesh=self.mesh,
                 in_specs=(
                     own,
-                    state_specs,
+                    specs,
                     jax.tree.map(lambda _: self._data_spec, batch),
                     P(),
                     *((P(),) * len(key)),
                 ),
-                out_specs=(own, state_specs, own, P()),
+                out_specs=(own, specs, own, P()),
                 # Manual over the data axes only: a model axis stays XLA's.
                 axis_names=frozenset(self._axes),
                 # jc.pmean's value is identical on every device but comes out of
@@ -793,14 +792,14 @@ def check_all_reduce(tx, grads, opt_state, params, axis_name) -> None:
     closed, (updates, state) = jax.make_jaxpr(tx.update, return_shape=True)(
         grads, opt_state, params
     )
-    per_device = [s != P() for s in _flat_specs(partition_specs(opt_state, axis_name))]
+    per_device = [s != P() for s in _flat_specs(state_specs(opt_state, axis_name, strict=False))]
     sources = [True] * len(jax.tree.leaves(grads)) + per_device
     sources += [False] * len(jax.tree.leaves(params))
     if len(sources) != len(closed.jaxpr.invars):  # an input jax flattened otherwise
         return
     outs = _flow(closed.jaxpr, [(s, frozenset()) for s in sources])
     named = [("updates" + jax.tree_util.keystr(k), P()) for k, _ in _with_path(updates)]
-    specs = _flat_specs(partition_specs(state, axis_name))
+    specs = _flat_specs(state_specs(state, axis_name, strict=False))
     named += [
         ("opt_state" + jax.tree_util.keystr(k), s)
         for (k, _), s in zip(_with_path(state), specs, strict=True)

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomp as jc
-from jaxcomp.optax._step import all_finite
+from jaxcomp.collectives import all_finite
 
 N_DEV = 8
 AXIS = "data"

@@ -43,8 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxcomp._ffi import Backend, resolve_backend
-from jaxcomp.ops import ieee
-from jaxcomp.ops._dispatch import dispatch, ffi_call
+from jaxcomp.ops import dispatch, ffi_call, ieee
 from jaxcomp.ops.rng import seed_words
 from jaxcomp.payload import Payload
 

@@ -52,6 +52,7 @@ from jaxcomp.collectives._api import (
     init_state,
     operand_nbytes,
     pmean,
+    pmean_feedback,
     psum,
     psum_scatter,
     recompression_warning,
@@ -62,6 +63,7 @@ from jaxcomp.collectives._api import (
 )
 from jaxcomp.collectives._chunks import chunk_len
 from jaxcomp.collectives._exchange import wire_log
+from jaxcomp.collectives._feedback import all_finite
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._scatter import (
     AllGather,
@@ -86,6 +88,7 @@ __all__ = [
     "ReduceScatter",
     "Reduced",
     "after",
+    "all_finite",
     "all_gather",
     "choose_algorithm",
     "chunk_len",
@@ -94,6 +97,7 @@ __all__ = [
     "init_state",
     "operand_nbytes",
     "pmean",
+    "pmean_feedback",
     "psum",
     "psum_scatter",
     "psum_scatter_feedback",

@@ -101,7 +101,7 @@ def _all_reduce(x, axis_name, codec, key, algorithm, mean: bool, state, a2a) -> 
     return Reduced(total.astype(x.dtype).reshape(x.shape), sent.reshape(x.shape), state)
 
 
-def pmean_kept(
+def pmean_feedback(
     x,
     residual,
     axis_name,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from jaxcomp._ffi import Backend, cpu_available, cuda_available, resolve_backend
 from jaxcomp.codecs.base import Codec
-from jaxcomp.ops._dispatch import platform_dependent
+from jaxcomp.ops import platform_dependent
 from jaxcomp.payload import Payload
 
 

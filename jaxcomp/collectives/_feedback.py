@@ -16,13 +16,15 @@ separate calls: the sum, the encode ("auto": the CUDA kernel where
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from jaxcomp.codecs.base import Codec
 from jaxcomp.collectives._decode import decode_own
-from jaxcomp.ops._dispatch import platform_dependent
+from jaxcomp.ops import platform_dependent
 from jaxcomp.payload import Payload
 
 
@@ -114,3 +116,26 @@ def charge(own: jax.Array, owner: jax.Array, c: int, error: jax.Array, *, kept: 
     part = lax.dynamic_slice(own, (start,), (c,))
     part = part - error if kept else part + error
     return lax.dynamic_update_slice(own, part, (start,))
+
+
+def _finite(a: jax.Array) -> jax.Array:
+    """bool[]: whether every element of ``a`` is finite.
+
+    For real floats as ``sum(a - a)`` being finite: every term is a zero
+    but where ``a`` is an inf or a NaN (a NaN), and a sum propagates NaN on
+    every backend (XLA does not fold ``a - a`` for floats). One read of
+    ``a``, nothing written. Not ``max|a|``: XLA's max propagates NaN, but
+    the CPU backend hands large reductions to a library whose max skips NaN
+    (jaxlib 0.12: a NaN in a 65,536-element mean read as finite). Not
+    ``sum(a * 0)``: XLA:CPU materializes the zero as a tensor of ``a``'s
+    size and reads it too. And ``all(isfinite(a))`` first materializes a
+    mask of ``a``'s size."""
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.all(jnp.isfinite(a))
+    return jnp.isfinite(jnp.sum(a - a))
+
+
+def all_finite(arrays) -> jax.Array:
+    """bool[]: whether every element of every array is finite."""
+    flags = [_finite(a) for a in arrays if a is not None]
+    return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))

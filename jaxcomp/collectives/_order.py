@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.ops._dispatch import platform_dependent
+from jaxcomp.ops import platform_dependent
 
 
 def after(x, dep):

@@ -16,16 +16,20 @@ saved state onto another number of devices or mesh. See docs/training.md.
 
 from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_adam
 from jaxcomp.optax._chain import init
+from jaxcomp.optax._config import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
 from jaxcomp.optax._diloco import DiLoCoState, diloco
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._pmean import PmeanState, pmean, uncompressed_mean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
 from jaxcomp.optax._relayout import relayout
+from jaxcomp.optax._state import find_states as all_reduce_states
 from jaxcomp.optax._state import state_specs, telemetry
 from jaxcomp.optax._telemetry import Telemetry
 from jaxcomp.optax._transform import CompressState, compress_gradients
 
 __all__ = [
+    "DEFAULT_FUSION_BYTES",
+    "DEFAULT_MIN_COMPRESS_SIZE",
     "Bucket",
     "CompressState",
     "DiLoCoState",
@@ -34,6 +38,7 @@ __all__ = [
     "PmeanState",
     "PowerSGDState",
     "Telemetry",
+    "all_reduce_states",
     "compress_gradients",
     "diloco",
     "init",

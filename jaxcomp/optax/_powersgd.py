@@ -29,11 +29,11 @@ import optax
 from jax import lax
 
 from jaxcomp._axes import names_of
-from jaxcomp.collectives import after, uncompressed_send_nbytes
+from jaxcomp.collectives import after, all_finite, uncompressed_send_nbytes
 from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
 from jaxcomp.optax._plan import Policy, has_residual
 from jaxcomp.optax._state import all_reduce_state, check_type, read_factors
-from jaxcomp.optax._step import all_finite, nonfinite_updates
+from jaxcomp.optax._step import nonfinite_updates
 from jaxcomp.optax._telemetry import Telemetry, count_skipped, first_telemetry
 from jaxcomp.optax._transform import compress_gradients
 

@@ -109,7 +109,7 @@ def telemetry(opt_state) -> dict[str, jax.Array]:
     return {"step": s.step, **s.telemetry._asdict()}
 
 
-def state_specs(opt_state, axis_name) -> Any:
+def state_specs(opt_state, axis_name, *, strict: bool = True) -> Any:
     """PartitionSpecs for an optimizer state under ``jax.shard_map``.
 
     Per-device leaves get ``P(axis_name)`` (sharded along the data axis, one
@@ -126,18 +126,20 @@ def state_specs(opt_state, axis_name) -> Any:
     Args:
       opt_state: the optimizer state, or its ``jax.eval_shape``.
       axis_name: the data-parallel mesh axis (or the pair of hierarchical axes).
+      strict: raise for a state without an all-reduce state (below); False
+        lays such a state out replicated.
     Returns:
       A pytree of ``PartitionSpec`` with ``opt_state``'s structure, for the
       ``in_specs`` / ``out_specs`` of ``jax.shard_map``.
     Raises:
-      ValueError: ``opt_state`` holds no ``compress_gradients``,
+      ValueError: with ``strict``, ``opt_state`` holds no ``compress_gradients``,
         ``powersgd`` or ``pmean`` state (a chain whose all-reduce jaxcomp
         does not know, or a container hiding it, such as an
         NNX ``nnx.State``): every leaf would silently be replicated; or it
         was made by a plain ``tx.init`` outside the mesh (one residual row
         on one device).
     """
-    if not find_states(opt_state):
+    if strict and not find_states(opt_state):
         raise ValueError(
             "jc.optax.state_specs: no jc.optax.compress_gradients (or onebit_adam, powersgd, "
             "pmean) state inside "

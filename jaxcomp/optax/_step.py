@@ -6,7 +6,7 @@ buffer and their residuals into one float32 buffer, ``reduce`` averages
 warm-up) and returns, besides the means, what each device's ``acc`` did
 not get across (``acc - sent``, its new residual), and ``unpack`` splits
 both back into leaves. The compressed buckets form ``acc`` inside their
-first compression (``jc.collectives``' ``pmean_kept``): where the codec has
+first compression (``jc.collectives``' ``pmean_feedback``): where the codec has
 a one-pass kernel, on the CPU, neither ``acc`` nor ``sent`` is written out.
 The buffers exist only within a step: the state holds one residual per
 leaf, so fusion does not shape it.
@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives import after, pmean
-from jaxcomp.collectives._api import pmean_kept
+from jaxcomp.collectives import after, pmean, pmean_feedback
 from jaxcomp.optax._plan import Bucket, Plan
 
 
@@ -93,7 +92,7 @@ def _compressed_mean(buckets, operands, *, axes, key, algorithm):
             r = pmean(after(pk.grad, previous), axes, b.codec, **kw)
             value, left, state = r.value, None, r.state
         else:
-            value, left, state = pmean_kept(
+            value, left, state = pmean_feedback(
                 pk.grad, pk.residual, axes, b.codec, after=previous, **kw
             )
         values.append(value)
@@ -154,29 +153,6 @@ def reduce(plan: Plan, packs, axes, *, key, algorithm: str, warmup, servers=None
     rest = after(packs[nb:], (means, kept, servers))  # the exact all-reduce comes last
     exact_means, exact_kept, _ = _exact_mean(plan.groups[nb:], (rest, None), axes=axes)
     return means + exact_means, kept + exact_kept, servers
-
-
-def _finite(a: jax.Array) -> jax.Array:
-    """bool[]: whether every element of ``a`` is finite.
-
-    For real floats as ``sum(a - a)`` being finite: every term is a zero
-    but where ``a`` is an inf or a NaN (a NaN), and a sum propagates NaN on
-    every backend (XLA does not fold ``a - a`` for floats). One read of
-    ``a``, nothing written. Not ``max|a|``: XLA's max propagates NaN, but
-    the CPU backend hands large reductions to a library whose max skips NaN
-    (jaxlib 0.12: a NaN in a 65,536-element mean read as finite). Not
-    ``sum(a * 0)``: XLA:CPU materializes the zero as a tensor of ``a``'s
-    size and reads it too. And ``all(isfinite(a))`` first materializes a
-    mask of ``a``'s size."""
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-        return jnp.all(jnp.isfinite(a))
-    return jnp.isfinite(jnp.sum(a - a))
-
-
-def all_finite(arrays) -> jax.Array:
-    """bool[]: whether every element of every array is finite."""
-    flags = [_finite(a) for a in arrays if a is not None]
-    return functools.reduce(jnp.logical_and, flags, jnp.bool_(True))
 
 
 def zero_unless(ok, u):

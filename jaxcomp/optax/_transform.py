@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomp.collectives import recompression_warning
+from jaxcomp.collectives import all_finite, recompression_warning
 
 # planning.py imports the defaults from this module.
 from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
@@ -35,7 +35,7 @@ from jaxcomp.optax._state import (
     zero_residuals,
     zero_servers,
 )
-from jaxcomp.optax._step import Unpacked, all_finite, nonfinite_updates, pack, reduce, unpack
+from jaxcomp.optax._step import Unpacked, nonfinite_updates, pack, reduce, unpack
 from jaxcomp.optax._telemetry import (
     Telemetry,
     count_skipped,
