@@ -13,7 +13,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxcomp.optax._adam import OneBitAdamState
-from jaxcomp.optax._state import LAYOUTS, find_states, partition_specs, recording
+from jaxcomp.optax._state import LAYOUTS, coarse_for_adam, find_states, partition_specs
 from jaxcomp.optax._transform import CompressState
 
 
@@ -62,12 +62,9 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
         (momentum, Adam's moments, ...) comes before the compressed
         all-reduce in the chain.
     """
-    with recording() as records:
-        # A new function each call: jax caches the trace of tx.init itself,
-        # and a cached trace records nothing.
-        shapes = jax.eval_shape(lambda p: tx.init(p), params)
+    shapes = jax.eval_shape(tx.init, params)
     check_order(shapes)
-    warn_coarse_before_adam(shapes, records)
+    warn_coarse_before_adam(shapes)
     specs = partition_specs(shapes, axis_name)  # a chain without one: replicated
     f = jax.shard_map(
         tx.init,
@@ -79,22 +76,20 @@ def init(tx: optax.GradientTransformation, params, mesh: jax.sharding.Mesh, axis
     return jax.jit(f)(params)
 
 
-def warn_coarse_before_adam(opt_state, records: list) -> None:
+def warn_coarse_before_adam(opt_state) -> None:
     """Warns once when a compress_gradients that sends fewer than
     ADAM_COARSE_BITS bits per element comes before an optimizer that
-    divides by a second moment (``records``: what each compress_gradients
-    init reported, in chain order)."""
+    divides by a second moment (each compress state's plan says its codecs)."""
 
     def is_node(x):
         return isinstance(x, (CompressState, OneBitAdamState, *SECOND_MOMENT_STATES))
 
     coarse: tuple = ()
-    pending = iter(records)
     for x in jax.tree.leaves(opt_state, is_leaf=is_node):
         if isinstance(x, OneBitAdamState):
-            next(pending, None)  # its own compress state sends the momentum
-        elif isinstance(x, CompressState):
-            coarse = coarse + tuple(next(pending, ()) or ())
+            continue  # its own compress state sends the momentum
+        if isinstance(x, CompressState):
+            coarse = coarse + coarse_for_adam(x.comm.plan)
         elif isinstance(x, SECOND_MOMENT_STATES) and coarse:
             key = (coarse, type(x).__name__)
             if key in _WARNED_ADAM:

@@ -21,7 +21,7 @@ from jaxcomp.collectives import state_positions
 from jaxcomp.optax._chain import init
 from jaxcomp.optax._diloco import DiLoCoState
 from jaxcomp.optax._powersgd import PowerSGDState
-from jaxcomp.optax._state import find_states, is_masked, recording_plans
+from jaxcomp.optax._state import find_states, is_masked
 from jaxcomp.optax._transform import CompressState
 
 _WHO = "jc.optax.relayout"
@@ -101,19 +101,28 @@ def relayout(  # long: the public docstring; the body walks the states
             "shard_params=...); params, _ = step.init(params); state = step.relayout(saved, "
             "from_shard_params=...) (docs/fsdp.md, 'Another mesh')"
         )
-    with recording_plans() as plans:
-        # A new function each call: jax caches the trace of tx.init itself.
-        jax.eval_shape(lambda p: tx.init(p), params)
     fresh = init(tx, params, mesh, axis_name)
-    if jax.tree.structure(opt_state) != jax.tree.structure(fresh):
+    # The states' static plans are the new mesh's (what the old ones were made
+    # for may differ: another pair of axes), so the structures compare without.
+    opt_state = _without_comm(opt_state)
+    if jax.tree.structure(opt_state) != jax.tree.structure(_without_comm(fresh)):
         raise ValueError(
             f"{_WHO}: the state does not have the structure of tx.init(params): was it made "
             "by another optimizer, or for other parameters?\n"
             f"  state: {jax.tree.structure(opt_state)}\n  tx:    {jax.tree.structure(fresh)}"
         )
     q = int(np.prod([mesh.shape[a] for a in names_of(axis_name)]))
-    walker = _Walker(iter(plans), q, from_axis_sizes)
+    walker = _Walker(q, from_axis_sizes)
     return jax.tree.map(walker.node, opt_state, fresh, is_leaf=_is_node)
+
+
+def _without_comm(opt_state):
+    """``opt_state`` with every compress state's static plan removed."""
+
+    def strip(x):
+        return x._replace(comm=None) if isinstance(x, CompressState) else x
+
+    return jax.tree.map(strip, opt_state, is_leaf=lambda x: isinstance(x, CompressState))
 
 
 def _is_node(x) -> bool:
@@ -153,11 +162,10 @@ def rows_map(p: int, q: int, *, keep_sum: bool) -> np.ndarray:
 
 
 class _Walker:
-    """Maps every node of a saved state onto the fresh one's, consuming
-    the recorded plans of the compress states in tree order."""
+    """Maps every node of a saved state onto the fresh one's (whose compress
+    states carry their plans)."""
 
-    def __init__(self, plans, q: int, from_axis_sizes):
-        self.plans = plans
+    def __init__(self, q: int, from_axis_sizes):
         self.q = q
         self.from_axis_sizes = from_axis_sizes
 
@@ -246,7 +254,7 @@ class _Walker:
         return _put(np.tensordot(w, x.astype(np.float64), axes=1), new)
 
     def compress(self, old: CompressState, new: CompressState) -> CompressState:
-        plan, algorithm, axis_name = next(self.plans)
+        plan, algorithm, axis_name = new.comm.plan, new.comm.algorithm, new.comm.axis_name
         servers: dict = {}
         if old.server_residuals:
             servers = self.server_owed(old.server_residuals, plan, algorithm, axis_name)

@@ -12,8 +12,6 @@ stay with their transformations and declare their layout here
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -447,23 +445,13 @@ def read_factors(plan, qs, residuals, who: str) -> tuple[list, list | None]:
 
 
 # ---------------------------------------------------------------------------
-# What jc.optax.init learns of each compress_gradients while it traces tx.init
+# What a compress_gradients state was made for
 # ---------------------------------------------------------------------------
 # Codecs below this many wire bits per element train Adam-family optimizers
 # placed after compress_gradients worse than float32: Adam divides by a
 # second moment that sees the compression noise (docs/accuracy.md, "Adam on
-# the LM", has the measurements).
+# the LM").
 ADAM_COARSE_BITS = 8.0
-# jc.optax.init warns when a coarse codec feeds an optimizer with a second
-# moment. Which codecs a compress_gradients sends with is known to its
-# closure only: a chain hides its parts, and the state holds arrays only
-# (what a checkpoint holds, so it cannot carry them either). No explicit
-# value reaches init, so while init traces tx.init every compress_gradients
-# init appends its coarse codecs here, in chain order, which is the order of
-# the compress states in the result; init pairs the two by position.
-INIT_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomp_init_records", default=None
-)
 
 
 def coarse_for_adam(plan: Plan) -> tuple:
@@ -475,44 +463,15 @@ def coarse_for_adam(plan: Plan) -> tuple:
     )
 
 
-# jc.optax.relayout needs, for every compress_gradients state, the plan and
-# algorithm that lay its server residuals out, which its closure alone
-# knows: recorded the same way, in chain order (:func:`recording_plans`).
-PLAN_RECORDS: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "jaxcomp_plan_records", default=None
-)
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class Comm:
+    """What a ``compress_gradients`` state was made for, carried in the
+    state as static pytree data (no leaves; part of its structure): the
+    plan that lays its residuals and server residuals out, the algorithm and
+    the axes. ``jc.optax.init`` reads its coarse codecs, ``relayout`` its
+    server residuals' layout."""
 
-
-def record_init(plan: Plan, algorithm: str = "auto", axis_name=None) -> None:
-    """Called by every compress_gradients init: records the plan's coarse
-    codecs when ``jc.optax.init`` is listening (:func:`recording`), and
-    ``(plan, algorithm, axis_name)`` when ``jc.optax.relayout`` is
-    (:func:`recording_plans`)."""
-    records = INIT_RECORDS.get()
-    if records is not None:
-        records.append(coarse_for_adam(plan))
-    plans = PLAN_RECORDS.get()
-    if plans is not None:
-        plans.append((plan, algorithm, axis_name))
-
-
-@contextlib.contextmanager
-def _listening(var: contextvars.ContextVar):
-    """Within: a new list that ``var`` holds, for the inits to append to."""
-    records: list = []
-    token = var.set(records)
-    try:
-        yield records
-    finally:
-        var.reset(token)
-
-
-def recording_plans():
-    """Within: the list the compress_gradients inits record their
-    ``(plan, algorithm, axis_name)`` into, in order."""
-    return _listening(PLAN_RECORDS)
-
-
-def recording():
-    """Within: the list the compress_gradients inits record into, in order."""
-    return _listening(INIT_RECORDS)
+    plan: Plan
+    algorithm: str
+    axis_name: Any

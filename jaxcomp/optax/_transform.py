@@ -25,11 +25,11 @@ from jaxcomp.collectives import all_finite, recompression_warning
 from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
 from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan, resolve_policy
 from jaxcomp.optax._state import (
+    Comm,
     all_reduce_state,
     check_type,
     read_residuals,
     read_servers,
-    record_init,
     write_residuals,
     write_servers,
     zero_residuals,
@@ -74,6 +74,8 @@ class CompressState(NamedTuple):
         ``server_error_feedback=False``.
       telemetry: :class:`Telemetry` of the last step (replicated), with the
         running count of skipped (non-finite) steps.
+      comm: static (no leaves): the plan, algorithm and axes the state was
+        made for (``jc.optax.init`` and ``relayout`` read them).
     """
 
     step: jax.Array
@@ -81,6 +83,7 @@ class CompressState(NamedTuple):
     residuals: Any
     server_residuals: tuple
     telemetry: Telemetry
+    comm: Comm | None = None
 
 
 _WARNED: set[tuple] = set()
@@ -159,7 +162,7 @@ def next_state(
     step = jnp.where(kept.ok, state.step + 1, state.step)
     key = jnp.where(kept.ok, jax.random.key_data(inputs.next_key), state.key)
     tel = step_telemetry(plan, sizes, config.algorithm, inputs.in_warmup, kept.norm, skipped)
-    return CompressState(step, key, kept.residuals, kept.server_residuals, tel)
+    return CompressState(step, key, kept.residuals, kept.server_residuals, tel, state.comm)
 
 
 def initial_servers(plan: Plan, config: CommConfig) -> tuple:
@@ -182,8 +185,6 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
 
     def init_fn(params) -> CompressState:
         plan = plan_for(gradient_shapes(params))
-        # For jc.optax.init's check of a coarse codec before Adam, and relayout.
-        record_init(plan, config.algorithm, config.axis_name)
         return CompressState(
             step=jnp.zeros((), jnp.int32),
             key=jax.random.key_data(jax.random.key(config.seed)),
@@ -192,6 +193,7 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             telemetry=first_step_telemetry(
                 plan, axis_sizes_or_none(config.axis_name), config.algorithm, config.warmup_steps
             ),
+            comm=Comm(plan, config.algorithm, config.axis_name),
         )
 
     def update_fn(grads, state: CompressState, params=None):
