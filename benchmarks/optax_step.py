@@ -151,7 +151,7 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxcomp as jc
-    from jaxcomp.collectives import _feedback
+    from jaxcomp.collectives import feedback as _feedback
 
     if args.fast > 1:
         # Two axes, ("node", "local"): jc's hierarchical algorithm (float32

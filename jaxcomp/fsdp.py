@@ -280,12 +280,15 @@ def _scatter_block(spec: _Spec, ct, residual, key):
         part = lax.psum_scatter(g, spec.axis, tiled=True)
         if codec is None:
             total = lax.psum(part, spec.replicate)
+        elif spec.feedback:
+            flat = jnp.moveaxis(residual, spec.dim, 0).reshape(-1)
+            total, left, _ = collectives.pmean_feedback(
+                part.reshape(-1), flat, spec.replicate, codec, key=key, mean=False
+            )
+            total = total.reshape(part.shape)
+            new = _like(left, residual, spec.dim)
         else:
-            acc = part + jnp.moveaxis(residual, spec.dim, 0) if spec.feedback else part
-            r = collectives.psum(acc, spec.replicate, codec, key=key)
-            total = r.value.astype(jnp.float32)
-            if spec.feedback:
-                new = jnp.moveaxis(acc - r.sent, 0, spec.dim)
+            total = collectives.psum(part, spec.replicate, codec, key=key).value
     grad = (total / spec.devices).astype(ct.dtype)
     return jnp.moveaxis(grad, 0, spec.dim), new
 

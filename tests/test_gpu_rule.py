@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxcomp as jc
-from jaxcomp.collectives import _feedback
+from jaxcomp.collectives import feedback as _feedback
 from jaxcomp.ops import _dispatch
 
 KEY = jax.random.key(0)

@@ -34,6 +34,7 @@ from jaxcomp.collectives import _allgather, _two_phase, _ring, _sparse, _allredu
 from jaxcomp.collectives import _hierarchical  # noqa: F401
 # isort: on
 
+from jaxcomp.collectives import feedback
 from jaxcomp.collectives._algorithm import (
     Algorithm,
     Collective,
@@ -63,7 +64,6 @@ from jaxcomp.collectives._api import (
 )
 from jaxcomp.collectives._chunks import chunk_len
 from jaxcomp.collectives._exchange import wire_log
-from jaxcomp.collectives._feedback import all_finite
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._scatter import (
     AllGather,
@@ -73,6 +73,7 @@ from jaxcomp.collectives._scatter import (
 )
 from jaxcomp.collectives._sparse import static_fits as sparse_is_static
 from jaxcomp.collectives._tiers import tier_capacities, tier_nbytes
+from jaxcomp.collectives.feedback import all_finite
 
 #: The names ``algorithm=`` takes.
 ALGORITHMS = names()
@@ -92,6 +93,7 @@ __all__ = [
     "all_gather",
     "choose_algorithm",
     "chunk_len",
+    "feedback",
     "feedback_size",
     "gather_nbytes",
     "init_state",

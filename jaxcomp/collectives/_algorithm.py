@@ -39,8 +39,8 @@ import numpy as np
 from jaxcomp._axes import Axes
 from jaxcomp.codecs.base import Codec, Rate
 from jaxcomp.collectives._decode import decode_own
-from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._order import after
+from jaxcomp.collectives.feedback import accumulate, compress_kept, kept
 
 # (value: the sum / div, float32, flat; sent: float32, flat; the new server
 # residual, or None): what every algorithm's run returns. run_feedback
@@ -174,7 +174,7 @@ class Algorithm:
         By default the separate steps: ``acc`` is formed, :meth:`run` takes
         it in ``flat``'s dtype, and ``acc - sent`` is returned. Algorithms
         whose first compression is one encoding of the tensor override it
-        with :func:`~jaxcomp.collectives._feedback.compress_kept`, which
+        with :func:`~jaxcomp.collectives.feedback.compress_kept`, which
         makes the payload and the new residual in one pass where the codec
         has the kernel, with the same bits, and tie their first collective's
         payload to ``ctx.dep`` (:func:`~jaxcomp.collectives.after`).
@@ -346,9 +346,9 @@ def _by_steps(run, ctx: Context, flat, residual, state) -> FlatReduced:
     state)`` as separate steps: ``acc = flat + residual`` in float32, ``run``
     of ``acc`` in ``flat``'s dtype, and ``acc - sent`` kept. The order tie
     (``ctx.dep``) fuses into the sum."""
-    acc = after(flat, ctx.dep).astype(jnp.float32) + residual
+    acc = accumulate(after(flat, ctx.dep), residual)
     value, sent, state = run(ctx, acc.astype(flat.dtype), state)
-    return value, acc - sent, state
+    return value, kept(acc, sent), state
 
 
 def _one_device(ctx: Context, flat: jax.Array, state: jax.Array | None) -> FlatReduced:

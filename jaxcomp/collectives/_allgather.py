@@ -8,9 +8,9 @@ from typing import ClassVar
 from jaxcomp.codecs.base import Rate
 from jaxcomp.collectives._algorithm import Algorithm, Collective, KernelCall, register
 from jaxcomp.collectives._decode import decode_own, decode_sum
-from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import tier_nbytes, transfer
+from jaxcomp.collectives.feedback import compress_kept
 
 # Up to this many devices, codecs whose second compression is "coarse" go
 # through allgather: (P - 1) C(n) bytes per device against about 2 C(n) for

@@ -112,11 +112,11 @@ def pmean_feedback(
     state=None,
     after=None,
     all_to_all="auto",
+    mean: bool = True,
 ):
-    """``pmean(x + residual)`` under error feedback, for
-    ``jc.optax.compress_gradients``: ``(value, kept, state)``, ``kept`` the
-    new residual ``x + residual - sent`` (float32, ``x``'s shape) in
-    ``sent``'s place.
+    """``pmean(x + residual)`` (``psum`` with ``mean=False``) under error
+    feedback: ``(value, kept, state)``, ``kept`` the new residual ``x +
+    residual - sent`` (float32, ``x``'s shape) in ``sent``'s place.
 
     ``x`` and ``residual`` are flat; the float32 sum is formed in the
     first compression (``Algorithm.run_feedback``): by the codec's one-pass
@@ -126,7 +126,7 @@ def pmean_feedback(
     payload of a one-pass compression, else the sum that is formed.
     ``all_to_all``: as in :func:`psum`."""
     x, flat, state, ctx = _prepare(
-        x, axis_name, codec, key, algorithm, True, state, after, all_to_all
+        x, axis_name, codec, key, algorithm, mean, state, after, all_to_all
     )
     total, kept, state = _algorithm.all_reduce_feedback(ctx, flat, residual, algorithm, state)
     return total.astype(x.dtype), kept, state

@@ -14,9 +14,9 @@ from jaxcomp.codecs.base import Rate
 from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._chunks import chunked
 from jaxcomp.collectives._decode import decode_f32, decode_own
-from jaxcomp.collectives._feedback import compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._tiers import own_capacity, tier_nbytes, transfer
+from jaxcomp.collectives.feedback import compress_kept, owner_stage
 from jaxcomp.payload import Payload
 
 

@@ -37,8 +37,8 @@ from jaxcomp.collectives._algorithm import Algorithm, Collective, KernelCall
 from jaxcomp.collectives._chunks import split
 from jaxcomp.collectives._decode import decode_own, decode_rows, decode_sum
 from jaxcomp.collectives._exchange import check_all_to_all, exchange
-from jaxcomp.collectives._feedback import compress_kept
 from jaxcomp.collectives._keys import fold
+from jaxcomp.collectives.feedback import accumulate, compress_kept, kept
 from jaxcomp.payload import Payload
 
 #: The codec rates the two collectives take.
@@ -134,11 +134,11 @@ def _encode_rows(codec: Codec, rows: jax.Array, residual, key, dtype):
             )
         return split(payload, p), own.reshape(p, kp)[:, :k]
     # A whole-tensor codec: one encode per row, with a key per row.
-    acc = rows if residual is None else rows.astype(jnp.float32) + residual
+    acc = rows if residual is None else accumulate(rows, residual)
     keys = None if key is None else jax.vmap(lambda j: fold(key, j))(jnp.arange(p))
     payloads = jax.vmap(codec.encode)(acc.astype(dtype), keys)
     hat = decode_rows(payloads, fused=True)
-    return payloads, (hat if residual is None else acc - hat)
+    return payloads, (hat if residual is None else kept(acc, hat))
 
 
 def _scatter_rows(codec, rows, residual, axis, key, dtype, a2a):

@@ -28,10 +28,10 @@ from jaxcomp.codecs.identity import Identity
 from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._decode import decode_own, decode_rows
 from jaxcomp.collectives._exchange import as_bits, collective, exchange, record
-from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import tier_index, transfer
+from jaxcomp.collectives.feedback import charge, compress_kept, owner_stage
 from jaxcomp.payload import Payload
 
 

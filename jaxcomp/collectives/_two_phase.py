@@ -14,10 +14,10 @@ from jaxcomp.codecs.base import Rate
 from jaxcomp.collectives._algorithm import Algorithm, Collective, Context, KernelCall, register
 from jaxcomp.collectives._chunks import chunk_len, chunked, padded, split
 from jaxcomp.collectives._decode import decode_own, decode_rows, decode_sum
-from jaxcomp.collectives._feedback import charge, compress_kept, owner_stage
 from jaxcomp.collectives._keys import fold
 from jaxcomp.collectives._order import after
 from jaxcomp.collectives._tiers import tier_nbytes, transfer
+from jaxcomp.collectives.feedback import charge, compress_kept, owner_stage
 
 
 @register

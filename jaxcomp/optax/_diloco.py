@@ -410,15 +410,13 @@ def _average(config: _Config, delta: jax.Array, residual: jax.Array, key):
     """The mean pseudo-gradient over the replicas, and the new residual."""
     if config.codec is None:
         return lax.pmean(delta, config.axis_name), residual
-    if config.error_feedback:
-        # One float32 multiply-add per element; with the default decay of 1
-        # the multiply is skipped, so the sum is today's to the bit.
-        kept = residual[0] if config.error_decay == 1.0 else config.error_decay * residual[0]
-        acc = kept + delta
-    else:
-        acc = delta
-    r = collectives.pmean(acc, config.axis_name, config.codec, key=key, algorithm=config.algorithm)
-    return r.value, (acc - r.sent)[None] if config.error_feedback else residual
+    kw = dict(key=key, algorithm=config.algorithm)
+    if not config.error_feedback:
+        return collectives.pmean(delta, config.axis_name, config.codec, **kw).value, residual
+    # With the default decay of 1 the multiply is skipped: the residual as kept.
+    kept = residual[0] if config.error_decay == 1.0 else config.error_decay * residual[0]
+    value, left, _ = collectives.pmean_feedback(delta, kept, config.axis_name, config.codec, **kw)
+    return value, left[None]
 
 
 def _telemetry(config: _Config, sizes: list[int], p: int, previous: Telemetry) -> Telemetry:

@@ -29,7 +29,7 @@ import optax
 from jax import lax
 
 from jaxcomp._axes import names_of
-from jaxcomp.collectives import after, all_finite, uncompressed_send_nbytes
+from jaxcomp.collectives import after, all_finite, feedback, uncompressed_send_nbytes
 from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
 from jaxcomp.optax._plan import Policy, has_residual
 from jaxcomp.optax._state import all_reduce_state, check_type, read_factors
@@ -181,7 +181,7 @@ def _compressed(gs, es, qs, rest, axes):
     ok = all_finite(ps + new_qs)  # a non-finite M makes its factors non-finite
     approx = [_outer(p, q) for p, q in zip(ps, new_qs, strict=True)]
     res = [
-        None if e is None else jnp.where(ok, g + e - a, e)
+        None if e is None else jnp.where(ok, feedback.kept(feedback.accumulate(g, e), a), e)
         for g, e, a in zip(gs, es, approx, strict=True)
     ]
     return approx, new_qs, res, ok, rest_means

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxcomp.collectives import after, pmean, pmean_feedback
+from jaxcomp.collectives import after, feedback, pmean, pmean_feedback
 from jaxcomp.optax._plan import Bucket, Plan
 
 
@@ -47,7 +47,7 @@ class Packed(NamedTuple):
         a residual)."""
         if self.residual is None:
             return self.grad
-        return self.grad.astype(self.residual.dtype) + self.residual
+        return feedback.accumulate(self.grad, self.residual)
 
 
 def pack(plan: Plan, leaves: list, residuals: list) -> tuple[Packed, ...]:
@@ -111,7 +111,7 @@ def _exact_mean(groups, operands, *, axes):
         return (), (), servers
     values = lax.pmean(sent, axes)  # one all-reduce for all the groups
     kept = tuple(
-        None if pk.residual is None else acc - s.astype(acc.dtype)
+        None if pk.residual is None else feedback.kept(acc, s)
         for pk, acc, s in zip(packs, accs, sent, strict=True)
     )
     return tuple(values), kept, servers

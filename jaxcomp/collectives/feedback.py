@@ -1,7 +1,15 @@
-"""Error feedback in the collectives: the compressions that keep what they
-miss (a device's first compression under ``compress_gradients``' residual,
-the owner's compression of a reduced chunk with its server residual), and
-the charge of an owner's error under one-level error feedback.
+"""Error feedback: its arithmetic, here and nowhere else.
+
+A worker residual ``r`` enters a compression as ``acc = x + r``
+(:func:`accumulate`) and leaves as what the compression did not get
+across, ``acc - sent`` (:func:`kept`): Seide et al.'s 1-bit SGD, 3LC's
+accumulation buffers, SparCML's residual. :func:`compress_kept` is that
+step around one compression (by a codec's one-pass kernel where it has
+one), :func:`owner_stage` the same for an owner's server residual of a
+reduced chunk (two-level error feedback), :func:`charge` the one-level
+alternative, and :func:`all_finite` the flag of the non-finite rule (a step
+whose mean is not finite keeps every residual as it was). The optax
+transformations, the collectives, the sharded step and PowerSGD call these.
 
 Where a codec has a one-pass kernel (``Codec.feedback_kernel``) those
 compressions run it on the CPU: the payload and the new residual come out
@@ -28,6 +36,18 @@ from jaxcomp.ops import platform_dependent
 from jaxcomp.payload import Payload
 
 
+def accumulate(x: jax.Array, residual: jax.Array) -> jax.Array:
+    """``acc = float32(x) + residual``: what error feedback compresses (in
+    the residual's dtype: float32, or float64 for float64 leaves)."""
+    return x.astype(residual.dtype) + residual
+
+
+def kept(acc: jax.Array, sent: jax.Array) -> jax.Array:
+    """The new residual: what ``acc`` did not get across, ``acc - sent``
+    (``sent`` what the compression made of it), in ``acc``'s dtype."""
+    return acc - sent.astype(acc.dtype)
+
+
 def one_pass(codec: Codec, dtype) -> bool:
     """Whether :func:`compress_kept` runs ``codec``'s one-pass kernel (on
     the CPU) for an input of ``dtype``: codecs with one, float32 inputs
@@ -37,12 +57,12 @@ def one_pass(codec: Codec, dtype) -> bool:
 
 
 def compress_kept(
-    codec: Codec, x: jax.Array, kept: jax.Array, key, dtype
+    codec: Codec, x: jax.Array, residual: jax.Array, key, dtype
 ) -> tuple[Payload, jax.Array]:
-    """The payload of ``x + kept`` and what it misses: ``(payload, x + kept
-    - decoded)``, float32 and flat.
+    """The payload of ``x + residual`` and what it misses: ``(payload, x +
+    residual - decoded)``, float32 and flat.
 
-    ``x`` is flat, in ``dtype`` or float32; ``kept`` a float32 residual of
+    ``x`` is flat, in ``dtype`` or float32; ``residual`` a float32 residual of
     its length; the float32 sum is compressed in ``dtype`` (the tensor's).
     With :func:`one_pass`, ``Codec.encode_feedback`` on the CPU, on GPUs
     where ``Codec.cuda_auto`` lists "encode_feedback", and the separate
@@ -54,21 +74,21 @@ def compress_kept(
     (:func:`jaxcomp.collectives._decode.fused_backend`).
     """
 
-    def calls(x, kept, *key):
-        acc = x.astype(jnp.float32) + kept
+    def calls(x, residual, *key):
+        acc = accumulate(x, residual)
         p = codec.encode(acc.astype(dtype), *key)
-        return p, acc - decode_own(p)
+        return p, kept(acc, decode_own(p))
 
     if not one_pass(codec, dtype):
-        return calls(x, kept, key)
+        return calls(x, residual, key)
 
-    def fused(x, kept, *key):
-        return codec.encode_feedback(x, kept, *key)
+    def fused(x, residual, *key):
+        return codec.encode_feedback(x, residual, *key)
 
     # The key is an operand: each branch is traced where it is lowered.
     keys = () if key is None else (key,)
     on_cuda = fused if codec.route("encode_feedback", "auto")[1] else calls
-    return platform_dependent(x, kept, *keys, cpu=fused, cuda=on_cuda, default=calls)
+    return platform_dependent(x, residual, *keys, cpu=fused, cuda=on_cuda, default=calls)
 
 
 def owner_stage(
@@ -101,7 +121,7 @@ def owner_stage(
     payload = codec.encode(target.astype(dtype), key)
     hat = decode_own(payload)
     if state is not None:
-        return payload, hat, target - hat, None
+        return payload, hat, kept(target, hat), None
     error = hat - reduced if div == 1 else hat * div - reduced
     return payload, hat, None, error
 
