@@ -37,6 +37,10 @@ class Backend(enum.StrEnum):
 # What a caller may name, and what JAXCOMP_BACKEND may say.
 _BACKENDS = ("auto", "ffi", "xla", "fused")
 _ENV_BACKENDS = ("auto", "ffi", "xla")
+# JAXCOMP_BACKEND is read once, when jaxcomp is imported: it is the default
+# of every "auto" and "fused" call. A value read at trace time would not be
+# part of what jit caches, so changing it later would do nothing, silently.
+_DEFAULT = os.environ.get("JAXCOMP_BACKEND", "auto").strip().lower() or "auto"
 
 
 _PACKAGE = pathlib.Path(__file__).resolve().parent
@@ -385,7 +389,8 @@ def kernels_line() -> str:
 
 
 def resolve_backend(backend: str) -> Backend:
-    """Validates ``backend`` and applies the ``JAXCOMP_BACKEND`` override.
+    """Validates ``backend`` and applies the ``JAXCOMP_BACKEND`` default
+    (read when jaxcomp was imported).
 
     ``JAXCOMP_BACKEND=xla`` sends every "auto" and "fused" call to the
     pure-JAX twins; ``JAXCOMP_BACKEND=ffi`` makes "auto" require the
@@ -398,9 +403,12 @@ def resolve_backend(backend: str) -> Backend:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend in ("ffi", "xla"):
         return Backend(backend)
-    env = os.environ.get("JAXCOMP_BACKEND", "auto").strip().lower() or "auto"
+    env = _DEFAULT
     if env not in _ENV_BACKENDS:
-        raise ValueError(f"JAXCOMP_BACKEND must be one of {_ENV_BACKENDS}, got {env!r}")
+        raise ValueError(
+            f"JAXCOMP_BACKEND must be one of {_ENV_BACKENDS}, got {env!r} (read when jaxcomp "
+            "was imported)"
+        )
     if backend == "auto":
         return Backend(env)
     return {"auto": Backend.FUSED, "ffi": Backend.FUSED_FFI, "xla": Backend.XLA}[env]

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,7 @@ from conftest import CONTRACT_CODECS, codec_id
 from helpers import assert_same_bytes, assert_same_payload, decode, encode, gradient_like
 
 import jaxcomp as jc
+import jaxcomp._ffi
 from jaxcomp import wire
 from jaxcomp.codecs import Rate
 
@@ -344,17 +348,43 @@ def test_backend_argument_is_validated():
 
 
 def test_env_var_selects_the_twins(monkeypatch):
-    monkeypatch.setenv("JAXCOMP_BACKEND", "xla")
+    """JAXCOMP_BACKEND, read when jaxcomp is imported, is the default of
+    "auto": as another process starts with it, here by the value it left."""
+    monkeypatch.setattr(jaxcomp._ffi, "_DEFAULT", "xla")
     lowered = jax.jit(lambda x: jc.codecs.Int8().encode(x).arrays).lower(jnp.ones(4096))
     assert "jaxcomp_int8_encode" not in lowered.as_text()
-    monkeypatch.setenv("JAXCOMP_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="JAXCOMP_BACKEND"):
+    monkeypatch.setattr(jaxcomp._ffi, "_DEFAULT", "bogus")
+    with pytest.raises(ValueError, match=r"JAXCOMP_BACKEND.*read when jaxcomp was imported"):
         jc.codecs.Int8().encode(jnp.ones(8))
+
+
+def test_environment_is_read_once_at_import():
+    """A process started with JAXCOMP_BACKEND=xla runs the twins; setting it
+    after the import changes nothing (what jit caches does not depend on it)."""
+    code = (
+        "import os, jax, jax.numpy as jnp, jaxcomp as jc\n"
+        "os.environ['JAXCOMP_BACKEND'] = 'ffi'\n"
+        "t = jax.jit(lambda x: jc.codecs.Int8().encode(x).arrays).lower(jnp.ones(4096)).as_text()\n"
+        "print('kernel' if 'jaxcomp_int8_encode' in t else 'twin')\n"
+    )
+    env = {**os.environ, "JAXCOMP_BACKEND": "xla", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "twin", out.stderr[-2000:]
+
+
+def test_every_codec_method_takes_the_same_backends():
+    codec, x = jc.codecs.Int8(), jnp.ones(512)
+    for backend in ("auto", "ffi", "xla", "fused"):
+        p = codec.encode(x, backend=backend)
+        codec.decode(p, backend=backend)
+        codec.encode_feedback(x, jnp.zeros(512), backend=backend)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        codec.encode_feedback(x, jnp.zeros(512), backend="cuda")
 
 
 @needs_ffi
 def test_auto_uses_the_kernel_on_cpu(monkeypatch):
-    monkeypatch.delenv("JAXCOMP_BACKEND", raising=False)
+    monkeypatch.setattr(jaxcomp._ffi, "_DEFAULT", "auto")
     lowered = jax.jit(lambda x: jc.codecs.Int8().encode(x).arrays).lower(jnp.ones(4096))
     assert "jaxcomp_int8_encode" in lowered.as_text()
 

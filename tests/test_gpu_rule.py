@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxcomp as jc
+import jaxcomp._ffi
 from jaxcomp.collectives import feedback as _feedback
 from jaxcomp.ops import _dispatch
 
@@ -130,7 +131,7 @@ def test_route_resolves_backend_and_environment(backend, env, want, monkeypatch)
     """``Codec.route``, the one place a kernel call is resolved: QSGD's
     decode (a CUDA kernel that "auto" does not run) and its encode (one it
     runs) under every backend and ``JAXCOMP_BACKEND``."""
-    monkeypatch.setenv("JAXCOMP_BACKEND", env)
+    monkeypatch.setattr(jaxcomp._ffi, "_DEFAULT", env)  # JAXCOMP_BACKEND's value
     codec = jc.codecs.QSGD(bits=4)
     got = codec.route("decode", backend)
     assert (str(got[0]), got[1]) == want

@@ -873,7 +873,8 @@ class Codec:
           backend: "auto" (the fused kernel on the CPU where built, on
             GPUs where :attr:`cuda_auto` says, else the three calls' twins),
             "ffi" (the fused kernel required on the CPU, and on CUDA where
-            the codec has one) or "xla" (the twins).
+            the codec has one), "xla" (the twins) or "fused" (the fused
+            kernel on the CPU, the twins on GPUs).
         Returns:
           ``(payload, new_residual)``: a float32 payload of ``x``'s shape,
           and the float32 new residual.
@@ -885,8 +886,7 @@ class Codec:
                 f"{type(self).__name__}.encode_feedback: the residual must be float32 of the "
                 f"gradient's shape {x.shape}, got {residual.dtype}{list(residual.shape)}"
             )
-        if backend not in ("auto", "ffi", "xla"):
-            raise ValueError(f"backend must be 'auto', 'ffi' or 'xla', got {backend!r}")
+        resolve_backend(backend)  # the values every codec method takes, checked
         if self.stochastic and key is None:
             raise ValueError(f"{type(self).__name__} is stochastic: encode needs a PRNG key")
         key = key if self.stochastic else None
