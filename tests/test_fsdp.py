@@ -462,6 +462,19 @@ def test_a_step_that_is_not_finite_changes_nothing():
     assert np.isfinite(float(loss)) and _max_diff(p, params) > 0
 
 
+def _group_size(line: str) -> int | None:
+    """The devices in each replica group of a collective's HLO line: a list
+    of device ids, or (newer XLA) the mesh with the axes it runs over."""
+    g = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+    if g:
+        return len(g.group(1).split(","))
+    g = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    if g:
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", g.group(1)))
+        return int(np.prod([int(sizes[a]) for a in re.findall(r"'(\w+)'", g.group(2))]))
+    return None
+
+
 def _sent_per_device(compiled_text, group_size):
     """Bytes one device sends in the collectives among ``group_size``
     devices, as docs/collectives.md counts them: (P-1)/P of an all-gather's
@@ -470,8 +483,7 @@ def _sent_per_device(compiled_text, group_size):
     sent = 0.0
     for line in compiled_text.splitlines():
         m = re.search(r"= (.*?) (all-gather|all-to-all|reduce-scatter|all-reduce)\(", line)
-        g = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
-        if not m or not g or len(g.group(1).split(",")) != group_size:
+        if not m or _group_size(line) != group_size:
             continue
         nbytes = 0
         for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
