@@ -323,7 +323,7 @@ def _measure_codec(codec: Codec, x, kernels: bool, gpu: bool, reps: int) -> Kern
 
     n, key = x.size, jax.random.key(0)
     # As the collectives run them: "auto" is the kernel on the CPU and the
-    # codec's measured rule on GPUs (Codec.kernels).
+    # codec's rule on GPUs (Codec.kernels).
     enc_backend = "auto" if kernels and codec.name != "identity" else "xla"
     dec_backend = "xla" if gpu and codec.elementwise_decode else enc_backend
     enc = jax.jit(lambda x, k: codec.encode(x, k, backend=enc_backend))

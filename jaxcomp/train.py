@@ -75,33 +75,24 @@ class DataParallel:
 
     ``step = jc.data_parallel(loss_fn, tx, mesh)``, then ``params, state =
     step.init(params)`` and ``params, state, loss = step(params, state,
-    batch)``: every argument and result is a global array. Inside, each
-    device computes ``loss_fn`` and its gradient on its shard of the batch.
-    Replicated (the default): ``tx``, whose first element all-reduces the
-    gradients (``jc.optax.compress_gradients``, ``onebit_adam``,
-    ``powersgd``, ``diloco`` or the uncompressed ``jc.optax.uncompressed_mean``), runs
-    on every device. Sharded (``shard_params=``, docs/fsdp.md): the step
-    all-gathers each parameter where the loss uses it and reduce-scatters
-    its gradient, and ``tx``, any optax optimizer, runs on the mean
-    gradients as global arrays. docs/training-loop.md has the details.
+    batch)``, on global arrays; each device computes ``loss_fn`` and its
+    gradient on its shard of the batch. Replicated (the default), ``tx``
+    starts with the gradients' all-reduce (``jc.optax.compress_gradients``
+    and the like) and runs on every device; sharded (``shard_params=``,
+    docs/fsdp.md), ``tx`` is any optax optimizer. docs/training-loop.md.
 
     Args:
-      loss_fn: ``loss_fn(params, batch)``, or ``loss_fn(params, batch, key)``
-        when the step is given a key: the scalar loss of this device's
-        batch, or ``(loss, aux)`` with ``has_aux``. With a Flax NNX model,
-        ``params`` is the module rebuilt from the trained variables and the
-        others (BatchNorm's statistics, averaged after the step; an
-        ``nnx.Rngs``, whose keys get the device's index folded in).
+      loss_fn: ``loss_fn(params, batch)`` (``loss_fn(params, batch, key)``
+        when the step is given a key): the scalar loss of this device's
+        batch, or ``(loss, aux)`` with ``has_aux``; with Flax NNX, ``params`` is the module.
       tx: the optimizer (above).
-      mesh: the device mesh; axes besides the data axes are model axes,
-        whose layout of the parameters is kept and left to XLA.
+      mesh: the device mesh; axes besides the data axes are model axes.
       axis_name: the data axis, or a ``(slow, fast)`` pair (replicated).
       has_aux: ``loss_fn`` returns ``(loss, aux)``.
       accumulate_steps: microbatches per device per step (replicated).
       donate: donate the parameters and the state to the step.
       max_in_flight: the most steps dispatched and not yet finished;
-        ``"auto"``: 1 on a CPU mesh of several devices, where XLA's
-        collectives can abort a busy process, no bound elsewhere.
+        ``"auto"``: 1 on a CPU mesh of several devices, no bound elsewhere.
       shard_params: a :class:`jaxcomp.fsdp.ShardParams` (or a mesh axis):
         sharded training over its axes.
       require_all_reduce: refuse an update that does not all-reduce the

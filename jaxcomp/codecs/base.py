@@ -331,7 +331,7 @@ class Kernels(NamedTuple):
     the CPU and CUDA modules register (``jaxcomp_<name>_<op>``;
     tests/test_feedback.py and tests/test_pipeline.py read them from the
     sources); ``cuda_auto``, the CUDA kernels that "auto" runs on GPUs,
-    each measured faster there than the twin XLA compiles and fuses into its
+    each faster there than the twin XLA compiles and fuses into its
     neighbours (docs/gpu.md, "Kernel or twin on the GPU: the rule"). A new
     codec's default: its CUDA encode and decode, until a GPU has timed them.
     """

@@ -57,8 +57,9 @@ class FP8(BucketedCodec):
     name: ClassVar[str] = "fp8"
     codec_id: ClassVar[int] = 10
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
-    # The kernels of ffi/fp8.cc and cuda/fp8.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/fp8.cc and cuda/fp8.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

@@ -37,8 +37,9 @@ class Int8(BucketedCodec):
 
     name: ClassVar[str] = "int8"
     codec_id: ClassVar[int] = 3
-    # The kernels of ffi/int8.cc and cuda/int8.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/int8.cc and cuda/int8.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

@@ -77,8 +77,9 @@ class MX(BucketedCodec):
     name: ClassVar[str] = "mx"
     codec_id: ClassVar[int] = 11
     seeded: ClassVar[bool] = True  # the kernel takes (and, nearest, ignores) a seed
-    # The kernels of ffi/mx.cc and cuda/mx.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/mx.cc and cuda/mx.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

@@ -55,8 +55,9 @@ class Natural(BucketedCodec):
     name: ClassVar[str] = "natural"
     codec_id: ClassVar[int] = 6
     seeded: ClassVar[bool] = True  # the kernel takes (and, deterministic, ignores) a seed
-    # The kernels of ffi/natural.cc and cuda/natural.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/natural.cc and cuda/natural.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

@@ -43,8 +43,9 @@ class OneBit(BucketedCodec):
     name: ClassVar[str] = "onebit"
     recompression: ClassVar[str] = "coarse"  # see Codec.recompression
     codec_id: ClassVar[int] = 2
-    # The kernels of ffi/onebit.cc and cuda/onebit.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/onebit.cc and cuda/onebit.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

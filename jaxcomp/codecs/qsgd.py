@@ -64,8 +64,9 @@ class QSGD(BucketedCodec):
     codec_id: ClassVar[int] = 1
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
-    # The kernels of ffi/qsgd.cc and cuda/qsgd.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/qsgd.cc and cuda/qsgd.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "decode_sum", "encode_feedback"),
@@ -77,9 +78,8 @@ class QSGD(BucketedCodec):
         """Codec.recompression: 2 bits is one level per sign, the stochastic
         ternary rounding of TernGrad, and like it not a contraction: a second
         compression of a reduced chunk (two-phase, ring) lets the server
-        residual grow (1-bit Adam's momentum through two-phase diverged on
-        3 of 3 seeds of the LM example, against +0.3% through allgather:
-        docs/accuracy.md). Finer QSGD recompresses fine."""
+        residual grow without bound, and training diverges (docs/accuracy.md,
+        "Adam on the LM"). Finer QSGD recompresses fine."""
         return "unsafe" if self.bits == 2 else "fine"
 
     def __post_init__(self):

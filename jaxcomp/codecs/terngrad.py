@@ -47,8 +47,9 @@ class TernGrad(BucketedCodec):
     codec_id: ClassVar[int] = 5
     stochastic: ClassVar[bool] = True
     seeded: ClassVar[bool] = True
-    # The kernels of ffi/terngrad.cc and cuda/terngrad.cu, and the CUDA ones "auto"
-    # runs, measured against the twins (docs/gpu.md).
+    # The kernels of ffi/terngrad.cc and cuda/terngrad.cu. On GPUs "auto" runs only
+    # the CUDA ones in cuda_auto; every other operation runs the twin, which
+    # XLA fuses into its neighbours (docs/gpu.md, "Kernel or twin on the GPU").
     kernels: ClassVar[Kernels] = Kernels.of(
         cpu=("encode", "decode", "decode_sum", "encode_feedback"),
         cuda=("encode", "decode", "encode_feedback"),

@@ -71,19 +71,12 @@ class ThreeLC(VariableRateCodec):
     the whole tensor.
 
     ``m = max|x| * float32(sparsity)`` and each value becomes ``m * q`` with
-    ``q = round(x / m)`` in {-1, 0, 1}, rounding half to even (section 3.1):
-    ``q = sign(x)`` exactly when ``2|x| > m``. The digits ``q + 1`` are
-    base-3^5 packed (section 3.2, 1.6 bits per value) and runs of the byte
-    121 (five zeros) are zero-run encoded (section 3.3), so the size follows
-    the data: the payload is a fixed-capacity buffer plus the used length
-    (``payload.used_nbytes``).
-
-    Payload arrays, in order: ``stream`` uint8[capacity] (the zero-run-encoded
-    bytes, then zeros), ``scale`` float32[1] (m), ``length`` int32[1] (bytes
-    of the complete stream; more than the capacity when it did not fit) and
-    ``overflow`` uint8[1] (1 when ``length > capacity``; the buffer then holds
-    the stream's first ``capacity`` bytes and decoding gives NaN everywhere,
-    never plausible numbers).
+    ``q = round(x / m)`` in {-1, 0, 1}, rounding half to even (section 3.1).
+    The digits ``q + 1`` are base-3^5 packed (section 3.2) and runs of five
+    zeros are zero-run encoded (section 3.3), so the size follows the data:
+    the payload is a fixed-capacity buffer plus the used length
+    (``payload.used_nbytes``); one that overflows its capacity decodes to
+    NaN everywhere. docs/codecs.md has the payload and the encoding.
 
     Args:
       sparsity: the sparsity multiplier ``s``, in [1.0, 2.0); larger values

@@ -67,25 +67,14 @@ def _bits_fraction(b: int) -> float:
 class TopK(SparseCodec):
     """The ``k`` largest ``|x|`` and their indices; everything else decodes to 0.
 
-    One of ``fraction`` and ``k_per_bucket`` (neither: ``fraction=0.01``):
-
-    - ``fraction``: ``k`` of the whole tensor, ``k = min(n, max(1,
-      floor(fraction * n + 0.5)))`` for ``n > 0`` (the nearest integer to
-      ``fraction * n``, halves up, computed in float64; at least 1), 0 for an
-      empty tensor. Indices are global, stored as uint8 / uint16 / uint32 for
-      ``n`` up to 2^8 / 2^16 / 2^32.
-    - ``k_per_bucket=(k, bucket)``: ``k`` of every bucket of ``bucket``
-      consecutive values, as in SparCML's CNN experiments (section 8.3:
-      ``(8, 512)`` and ``(16, 512)``). Indices are bucket-local, uint8 for
-      ``bucket <= 256``, else uint16; each bucket has ``k`` entries. The last
-      bucket, of length ``L < k``, lists its ``L`` values and then padding
-      entries with local indices ``L .. k-1`` (so global index ``>= n``) and
-      value 0.
-
-    Ranking is by the absolute value's bits (NaN above Inf above every finite
-    value, so NaNs are always kept), ties to the lower index; indices are
-    ascending. Without a ``value_codec``, values are sent bit for bit in the
-    tensor's dtype and decoding is exact at the kept positions.
+    One of ``fraction`` and ``k_per_bucket`` (neither: ``fraction=0.01``).
+    ``fraction``: ``k`` of the whole tensor, the nearest integer to
+    ``fraction * n`` (halves up, at least 1), with global indices.
+    ``k_per_bucket=(k, bucket)``: ``k`` of every bucket, with bucket-local
+    indices; the last bucket is padded with entries of value 0. Ranking is by
+    the absolute value's bits (NaNs are always kept), ties to the lower
+    index; indices are ascending. Without a ``value_codec`` the kept values
+    are sent bit for bit. docs/codecs.md has the payload and the edge cases.
 
     Args:
       fraction: ``0 < fraction <= 1``.

@@ -144,15 +144,12 @@ def psum(
 ) -> Reduced:
     """Compressed sum of ``x`` over the mesh axis ``axis_name``.
 
-    Call inside ``jax.shard_map`` (or ``jax.pmap``).
-
-    Algorithms that compress twice (two-phase, ring, the sparse split, and
-    hierarchical through them) have a second stage whose error belongs to no
-    device's input. Pass ``state`` (this device's server residual, from
-    :func:`init_state`; carry ``Reduced.state`` to the next call) to keep
-    that error where it was made, at the scale of what that stage
-    compresses: two-level error feedback. Without it the error is charged
-    to ``sent`` at the scale of the sum (one-level).
+    Call inside ``jax.shard_map`` (or ``jax.pmap``). Algorithms that compress
+    twice have a second stage whose error belongs to no device's input:
+    pass ``state`` (from :func:`init_state`; carry ``Reduced.state`` to the
+    next call) to keep it where it was made (two-level error feedback);
+    without it the error is charged to ``sent`` (one-level).
+    docs/collectives.md has the algorithms and their bytes.
 
     Args:
       x: this device's tensor (float32, bfloat16 or float16, any shape).
@@ -166,14 +163,9 @@ def psum(
       state: None, or this device's server residual: float32 of
         :func:`state_size` elements, in units of the sum.
       all_to_all: how the all-to-all of ``two_phase`` and the split
-        ``sparse`` algorithm travels: "native" (XLA's ``all_to_all``),
-        "pairwise" (``P - 1`` rounds of ``ppermute``, one flow per device
-        at a time: the same bytes, the same bits arrive) or "auto", the
-        default: pairwise where the devices belong to several processes of
-        the CPU backend (collectives over TCP, where the all-to-all's
-        ``P - 1`` flows at once overflow shallow queues), native elsewhere
-        (docs/collectives.md, "How the all-to-all travels").
-        ``jc.optax.compress_gradients`` uses "auto".
+        ``sparse`` travels: "native" (``lax.all_to_all``), "pairwise"
+        (``P - 1`` rounds of ``ppermute``) or "auto" (pairwise across
+        processes of the CPU backend, native elsewhere).
     Returns:
       :class:`Reduced` (value, sent, state).
     """
@@ -375,40 +367,30 @@ def psum_scatter(
     ``lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=tiled)``.
 
     Call inside ``jax.shard_map`` (or ``jax.pmap``). Every element is
-    quantized once on the wire: this device encodes its tensor once (row
-    ``j``, for device ``j``, padded to the codec's split granularity; codecs
-    without one encode each row), an all-to-all hands every device the
-    payloads of its row, and it decodes and sums them in float32, in device
-    order. With ``(slow, fast)`` axes, the devices of both axes as one
-    (device ``s * fast + f``): an exact float32 ``lax.psum_scatter`` over
-    ``fast``, then the compressed reduce-scatter over ``slow`` of the
-    partial sums, so only the slow axis carries compressed bytes.
-    Identity is ``lax.psum_scatter`` itself.
+    quantized once, by its sender: this device encodes its tensor once, an
+    all-to-all hands every device the payloads of its row, and it decodes
+    and sums them in float32, in device order. Over ``(slow, fast)`` axes
+    only the slow hop is compressed. docs/collectives.md, "Reduce-scatter
+    and all-gather".
 
     Args:
-      x: this device's tensor (float32, bfloat16 or float16). ``tiled=False``:
-        ``x.shape[0]`` equals the number of devices ``P``; ``tiled=True``: a
-        multiple of it.
+      x: this device's tensor (float32, bfloat16 or float16); ``x.shape[0]``
+        is the number of devices ``P`` (``tiled=True``: a multiple of it).
       axis_name: the mesh axis, or ``(slow, fast)`` axes.
-      codec: a fixed-size codec (QSGD, Int8, OneBit, SignSGD, TernGrad,
-        Natural, FP8, MX, Cast) or Identity, or its spec string.
-        Variable-rate (ThreeLC) and sparse (TopK) codecs are refused.
-      key: a PRNG key, required by stochastic codecs (the same on every
-        device; it is folded with the device index).
+      codec: a fixed-size codec or Identity, or its spec string
+        (variable-rate and sparse codecs are refused).
+      key: a PRNG key, required by stochastic codecs (the same on every device).
       tiled: as in ``lax.psum_scatter``.
-      state: must be None: one compression per element, by its sender,
-        leaves no server residual. Error feedback keeps the sender's
-        residual instead (:func:`psum_scatter_feedback`).
+      state: must be None (there is no server residual; error feedback:
+        :func:`psum_scatter_feedback`).
       all_to_all: as in :func:`psum`.
     Returns:
-      :class:`Reduced`: ``value`` this device's row of the sum (``x.shape[1:]``,
-      tiled: ``[x.shape[0] // P, *x.shape[1:]]``; ``x``'s dtype), identical
-      on every run of the same inputs; ``sent`` float32 of ``x``'s shape,
-      what ``x`` became after its compression (over ``(slow, fast)`` axes:
-      ``x`` plus the slow hop's error, on the rows of this device's fast
-      chunk), so that summed over the devices the rows ``sent`` holds for
-      device ``j`` equal ``j``'s ``value`` (to float rounding); ``state``
-      None.
+      :class:`Reduced`: ``value`` this device's row of the sum, in ``x``'s
+      dtype; ``sent`` float32 of ``x``'s shape, what ``x`` became after its
+      compression, so that the rows ``sent`` holds for device ``j``, summed
+      over the devices, equal ``j``'s ``value``; ``state`` None.
+    Raises:
+      ValueError: ``state`` is not None, or ``x`` or ``codec`` does not fit.
     """
     if state is not None:
         raise ValueError(

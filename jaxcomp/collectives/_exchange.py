@@ -138,7 +138,7 @@ def exchange(payload: Payload, kind: str, axis, all_to_all: str = "auto") -> Pay
     whose arrays are stacked per destination): one collective instead of
     one per array, since each collective costs a rendezvous of every
     process on top of its bytes (docs/benchmarks.md, "Compressed all-reduce
-    over emulated links", measured both ways). ``all_to_all``: as in
+    over emulated links"). ``all_to_all``: as in
     :func:`collective`.
     """
     op = collective(kind, axis, all_to_all)

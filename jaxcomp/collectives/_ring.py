@@ -43,9 +43,8 @@ class Ring(Algorithm):
     name: ClassVar[str] = "ring"
     recompresses: ClassVar[bool] = True
     # Ranked by the planner, which prices its hops, its P compressions and
-    # XLA:CPU's copy of its accumulator at every hop within 18% of every
-    # measured ring all-reduce (benchmarks/plan_check.py); where the
-    # all-to-all is slow it wins (bf16 at 100 Mbit, docs/collectives.md).
+    # XLA:CPU's copy of its accumulator at every hop: it wins only where the
+    # codec computes little and the all-to-all is slow (docs/choosing.md).
     planned_rates: ClassVar[frozenset[Rate]] = frozenset({Rate.FIXED, Rate.VARIABLE})
 
     def run(self, ctx, flat, state):

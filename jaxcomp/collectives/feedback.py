@@ -14,7 +14,7 @@ transformations, the collectives, the sharded step and PowerSGD call these.
 Where a codec has a one-pass kernel (``Codec.feedback_kernel``) those
 compressions run it on the CPU: the payload and the new residual come out
 of one pass over the input and the residual, with no sum and no decoded
-tensor written out; on GPUs where the codec's measured rule says so
+tensor written out; on GPUs where the codec's rule says so
 (``Codec.cuda_auto`` lists "encode_feedback"). Elsewhere (other GPUs'
 codecs, codecs without one, inputs that are not float32) they are the
 separate calls: the sum, the encode ("auto": the CUDA kernel where

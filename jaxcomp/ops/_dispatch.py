@@ -4,7 +4,7 @@ This is the only place that runs one or the other, as ``backend`` (a codec
 resolves it, with whether GPUs run the CUDA kernel, in ``Codec.route``)
 says: "xla" always runs the twin; "ffi" always calls the kernel (lowering
 fails on a platform without one); "auto" runs the kernel on the CPU and,
-where the codec's measured rule says so, on CUDA GPUs, and the twin
+where the codec's rule (``Codec.cuda_auto``) says so, on CUDA GPUs, and the twin
 elsewhere (TPU, a GPU build without CUDA); "fused" runs the kernel on the
 CPU and the twin elsewhere, where XLA fuses the twin into what consumes its
 result (the collectives decode with it).
@@ -74,7 +74,7 @@ def dispatch(
     run slower than the kernels by more than the pass they save
     (docs/benchmarks.md, "The optimizer step" and "Compressed all-reduce
     over emulated links"). ``cuda`` says whether "auto" and "fused" run
-    the kernel on CUDA GPUs (the codec's measured rule, ``Codec.cuda_auto``);
+    the kernel on CUDA GPUs (the codec's rule, ``Codec.cuda_auto``);
     None: "auto" does and "fused" does not. "ffi" always runs it."""
     backend = resolve_backend(backend)  # as it is where the caller resolved it
     if backend is Backend.XLA:

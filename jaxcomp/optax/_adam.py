@@ -45,8 +45,8 @@ SEND_MODES = ("auto", "momentum", "gradient")
 DEFAULT_VARIANCE_FLOOR = 1e-2
 # A leaf whose mean variance is below this fraction of the mean over all the
 # parameters (an RMS gradient under 0.1% of the model's) has none of its own
-# to scale a floor by (the key bias of an attention layer: every gradient
-# zero, or 1e-12 of the model's): it is floored at the overall mean's
+# to scale a floor by (the key bias of an attention layer, whose gradient is
+# zero up to rounding): it is floored at the overall mean's
 # fraction. A leaf whose gradients are merely small keeps its own scale.
 NO_VARIANCE = 1e-6
 
@@ -302,7 +302,7 @@ def onebit_transformation(
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_onebit_adam(  # long: the public docstring; the body builds the config
+def scale_by_onebit_adam(
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,
     *,
@@ -324,79 +324,32 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
     """Adam's scaling with 1-bit Adam's compressed momentum (no learning rate).
 
     Steps ``0 .. warmup_steps - 1`` are ``optax.scale_by_adam`` on the exact
-    mean of the gradients (one uncompressed all-reduce). From step
-    ``warmup_steps`` on, the variance ``nu`` (and its bias correction) stays
-    as the warm-up left it, and each device's momentum
-    ``(1 - b1) * grad + b1 * mu``, with ``mu`` the previous step's common
-    momentum, is averaged by ``jc.pmean`` with ``codec``: worker and server
-    error feedback (``compress_gradients``) carry what compression drops to
-    the next step. The update is ``mu_hat / (sqrt(nu_hat + eps_root) + eps)``
-    with Adam's bias corrections.
-
-    At the freeze every element's variance is raised to at least
-    ``variance_floor`` times its leaf's mean variance (or, for a leaf with
-    no variance to speak of, below 1e-6 of the mean over all the
-    parameters, ``variance_floor`` times that mean). The
-    compressed momentum of an element carries the codec's noise at the
-    scale of its bucket, whatever its own gradient; divided by the frozen
-    square root of a variance near zero (a parameter whose gradient was
-    zero during the warm-up: the key bias of an attention layer, which the
-    softmax ignores, an embedding row no batch touched) it would move the
-    parameter by noise / ``eps`` per step, without bound. With the floor,
-    such an element moves by at most about ``1 / sqrt(variance_floor)``
-    times the learning rate per step, and error feedback cancels the
-    noise over the steps; elements whose RMS gradient is above
-    ``sqrt(variance_floor)`` (10%) of their leaf's are unaffected.
-    DeepSpeed's 1-bit Adam and the paper divide by the frozen variance
-    as it is (``variance_floor=0``).
-
-    With ``freeze_tolerance``, the warm-up may end earlier: every
-    ``freeze_interval`` steps the sum of the bias-corrected variance is
-    compared with its value at the previous check, and the variance freezes
-    at the first check where it changed by less than ``freeze_tolerance``
-    (relative), the paper's observation (section 3) that the variance
-    stabilizes made a rule. ``warmup_steps`` is then the longest warm-up.
-
-    A step whose mean is not finite leaves the state as it was (as
-    ``compress_gradients`` does) and returns the non-finite update.
+    mean gradient. Then the variance freezes, floored at ``variance_floor``
+    times its leaf's mean, and each device's momentum is averaged by
+    ``jc.pmean`` with ``codec`` and error feedback; the update is
+    ``mu_hat / (sqrt(nu_hat + eps_root) + eps)``. Tang et al. 2021,
+    Algorithm 1; docs/training.md, "Adam and compression".
 
     Args:
       axis_name: the data-parallel mesh / pmap axis (or ``(slow, fast)``).
-      codec: the momentum's codec (default OneBit with 256-value buckets,
-        1.25 bits per element, as the paper's 1-bit compression), a policy
-        as ``compress_gradients`` takes.
-      warmup_steps: steps of plain Adam before the variance is frozen (the
-        paper uses 15-25% of training for BERT; at least 1). Required: the
-        right value depends on the run's length, and None (the default)
-        raises a ``TypeError`` that says how to choose it. May be a traced
-        int (``optax.inject_hyperparams``).
-      freeze_tolerance: None (freeze at ``warmup_steps``) or the relative
-        change of the variance's sum over ``freeze_interval`` steps below
-        which it freezes earlier.
-      freeze_interval: steps between two checks of the freeze rule; None: 10.
-      send: what each device sends after the warm-up: ``"momentum"``, its
-        momentum ``(1 - b1) grad + b1 mu`` (the paper's Algorithm 1);
-        ``"gradient"``, only its new part ``(1 - b1) grad``, every device
-        adding ``b1 mu`` itself (the same for an exact codec; a sparse or
-        zero-run codec then spends no bytes on the part every device
-        knows); ``"auto"``: ``"gradient"`` for sparse and variable-rate
-        codecs (top-k, 3LC), ``"momentum"`` for the others (measured on
-        the LM example, docs/training.md).
+      codec: the momentum's codec policy, as ``compress_gradients`` takes
+        (default OneBit with 256-value buckets, 1.25 bits per element).
+      warmup_steps: steps of plain Adam before the freeze (>= 1; may be
+        traced). Required: None raises a ``TypeError`` saying how to choose.
+      freeze_tolerance: None, or freeze at the first check where the
+        variance's sum moved by less than this (relative).
+      freeze_interval: steps between two such checks; None: 10.
+      send: ``"momentum"`` (the paper's), ``"gradient"`` (only ``(1 - b1)
+        grad``) or ``"auto"`` (``"gradient"`` for sparse and variable-rate codecs).
       b1, b2, eps, eps_root: as ``optax.scale_by_adam``.
-      variance_floor: the least frozen variance of an element, as a
-        fraction of its leaf's mean frozen variance (above; default 1e-2,
-        an RMS gradient of 10% of the leaf's); 0 divides by the variance
-        as frozen (the paper's rule).
+      variance_floor: the least frozen variance, a fraction of its leaf's
+        mean (default 1e-2); 0 is the paper's rule.
       algorithm, server_error_feedback, fusion_bytes, seed: as
         ``compress_gradients`` (error feedback is always on).
-      min_compress_size: as ``compress_gradients``, but None means 0: every
-        leaf's momentum is compressed, as DeepSpeed's 1-bit Adam compresses
-        the whole flattened buffer (small leaves are fused with others, so
-        they cost no collective of their own).
+      min_compress_size: as ``compress_gradients``; None: 0 (every leaf).
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`OneBitAdamState`; place it first in the chain, in place of
-      the gradient all-reduce.
+      An ``optax.GradientTransformation`` with a :class:`OneBitAdamState`;
+      place it first in the chain, in place of the gradient all-reduce.
     """
     _check_warmup_steps(warmup_steps)
     rule = _check_freeze_rule(freeze_tolerance, freeze_interval)
@@ -425,7 +378,7 @@ def scale_by_onebit_adam(  # long: the public docstring; the body builds the con
 # The parameter list repeats scale_by_onebit_adam's, as optax.adam repeats
 # scale_by_adam's: optax.inject_hyperparams finds the hyperparameters it can
 # schedule in this function's own signature.
-def onebit_adam(  # long: the public signature and docstring; the body is a chain
+def onebit_adam(  # long: the public signature; the body is a chain
     learning_rate: optax.ScalarOrSchedule,
     axis_name: str | tuple[str, str],
     codec: Policy = DEFAULT_CODEC,

@@ -134,66 +134,32 @@ def diloco(
     """DiLoCo: ``inner`` on every replica alone, an outer step every
     ``sync_every`` steps on the average of the pseudo-gradients.
 
-    Use it where a data-parallel optimizer goes, inside a ``jax.shard_map``
-    over ``axis_name``, with two differences: the gradients are this
-    replica's own (do not average them), and the parameters are per
-    replica: lay them out with a leading axis of one copy per device,
-    sharded over ``axis_name`` (``P(axis_name)``), and take that row inside
-    the step. Every step runs ``inner`` on the local gradient; at the end of
-    a round (steps ``sync_every``, ``2 sync_every``, ...) the pseudo-gradient
-    ``anchor - local`` is averaged over ``axis_name`` (one ``lax.pmean``, or
-    ``jc.pmean`` with ``codec``), ``outer`` applies it to the anchor, and the
-    update puts every replica on the new anchor. Steps within a round run
-    no collective (the averaging is in the taken branch of a conditional).
+    Inside a ``jax.shard_map`` over ``axis_name``, with this replica's own
+    gradients and parameters (laid out ``P(axis_name)``, one copy per
+    device). At the end of a round the pseudo-gradient ``anchor - local`` is
+    averaged (``lax.pmean``, or ``jc.pmean`` with ``codec``), ``outer``
+    applies it to the anchor, and every replica moves to the new anchor;
+    the other steps run no collective. Douillard et al. 2023, Algorithm 1;
+    docs/diloco.md has the layout, SparseLoCo and Streaming DiLoCo.
 
     Args:
       inner: the local optimizer (the paper: AdamW).
       axis_name: the mesh axis the replicas span.
-      sync_every: H, the inner steps of a round (the paper: 500; a Python
-        int >= 1). 1 with ``inner=optax.sgd(lr)`` and ``outer=optax.sgd(1.0)``
-        is data-parallel SGD.
-      outer: the outer optimizer, applied to the averaged pseudo-gradient;
-        default ``optax.sgd(0.7, momentum=0.9, nesterov=True)`` (the
-        paper's).
-      codec: a :mod:`jaxcomp.codecs` codec (or its spec string) for the
-        pseudo-gradient's average; None sends it uncompressed in float32.
-      error_feedback: with a codec, carry what it dropped from each
-        replica's pseudo-gradient to the next synchronization (a float32
-        residual per replica, the size of the parameters). The DiLoCo
-        papers that quantize the outer gradients (int8, 4-bit) use none.
-      error_decay: beta, with error feedback: the residual is multiplied by
-        it before the next pseudo-gradient is added (``e <- beta e +
-        delta``; what is sent is taken out of ``e``). 1.0 (the default)
-        carries it whole. SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706)
-        is this with a chunked top-k of 2-bit values as the codec, a decay
-        of 0.95 standing in for the outer momentum, and ``outer=
-        optax.sgd(1.0)``: docs/diloco.md has the recipe.
-      fragments: Streaming DiLoCo (Douillard et al. 2025, arXiv
-        2501.18512): the leaves split into this many fragments in strided
-        order (fragment ``f`` holds leaves ``f, f + fragments, ...`` of the
-        tree), each synchronized every ``sync_every`` steps on its own
-        offset: fragment ``f`` at the steps ``(f + 1) sync_every /
-        fragments`` modulo ``sync_every``, so one fragment's all-reduce
-        goes out every ``sync_every / fragments`` steps (a Python int that
-        divides ``sync_every``; 1, the default, is DiLoCo).
-      overlap_steps: tau, the steps between a fragment's synchronization
-        and the merge of its new anchor into the local parameters (Python
-        int in ``[0, sync_every)``). The replicas go on training the
-        fragment meanwhile. The averaging itself runs in the program of
-        the synchronizing step: the merge's timing is the paper's, and
-        how much of the communication a backend then overlaps with
-        compute is measured in docs/diloco.md, not assumed.
-      alpha: the mixing factor of the merge: the fragment's local values
-        become ``alpha * local + (1 - alpha) * anchor`` (in [0, 1]; the
-        default 0 takes the anchor, as DiLoCo does).
+      sync_every: H, the inner steps of a round (a Python int >= 1).
+      outer: the outer optimizer; None: the paper's Nesterov SGD (0.7, momentum 0.9).
+      codec: a codec (or spec string) for the average; None: float32.
+      error_feedback: with a codec, carry what it dropped to the next round.
+      error_decay: beta of ``e <- beta e + delta`` with error feedback.
+      fragments: Streaming DiLoCo's fragments, each synchronized once a
+        round on its own offset (a Python int that divides ``sync_every``).
+      overlap_steps: tau, steps from a fragment's synchronization to its
+        merge (a Python int in ``[0, sync_every)``).
+      alpha: the merge's mixing factor in [0, 1]: ``alpha local + (1 - alpha) anchor``.
       algorithm: ``jc.pmean``'s algorithm for the codec.
       seed: seeds the PRNG key of stochastic codecs.
     Returns:
-      An ``optax.GradientTransformation`` whose ``update(grads, state,
-      params)`` needs ``params`` (this replica's); its state is a
-      :class:`DiLoCoState`, laid out by ``jc.optax.init`` and
-      ``jc.optax.state_specs`` (the inner state and the residual per
-      device, the rest replicated).
+      An ``optax.GradientTransformation`` whose ``update`` needs ``params``
+      (this replica's); its state is a :class:`DiLoCoState`.
     """
     config = _Config(
         inner=inner,

@@ -450,7 +450,7 @@ class PowerSGD:
         )
 
 
-def powersgd(  # long: the public docstring; the body checks the options
+def powersgd(
     axis_name: str | tuple[str, str],
     rank: int = 4,
     *,
@@ -464,52 +464,31 @@ def powersgd(  # long: the public docstring; the body checks the options
 ) -> optax.GradientTransformation:
     """PowerSGD's compressed mean of the gradients, with error feedback.
 
-    The first element of an ``optax.chain`` inside a ``jax.shard_map``'d (or
-    ``jax.pmap``'d) train step, in place of ``lax.pmean(grads, axis_name)``,
-    as ``compress_gradients``. Each floating leaf of rank >= 2 whose
-    rank-``rank`` factors are at least ``min_compression_rate`` times
-    smaller than it (``n m >= rate (n + m) r``, as PyTorch's PowerSGD hook)
-    is compressed: M = grad + residual, P = mean(M Q), P orthogonalized,
-    Q = mean(M^T P), the update P Q^T, the residual M - P Q^T (Vogels et al.
-    2019, Algorithms 1 and 2; the matmuls and the orthogonalization in
-    float32 whatever the gradient's dtype). All the P go in one all-reduce,
-    all the Q in another. The other leaves (vectors, small matrices) are
-    averaged exactly, in the P's all-reduce where they are all float32 (no
-    collective of their own: one latency less a step) or else in one more,
-    or by ``compress_gradients`` with the codec ``rest``.
-
-    Over any number of steps, the updates applied (times the number of
-    devices) plus the residuals equal the sum of the gradients (tested).
-    The residual is ``M - P Q^T`` with the all-reduced factors, as the
-    paper's reference code and PyTorch's hook keep it: it holds what the
-    approximation dropped and this device's difference from the mean; a
-    warm-up step sends everything and leaves none.
+    The first element of an ``optax.chain`` in place of ``lax.pmean(grads,
+    axis_name)``, as ``compress_gradients``. Each matrix-shaped leaf whose
+    rank-``rank`` factors are ``min_compression_rate`` times smaller than it
+    is sent as one power-iteration step, ``P = mean(M Q)``, orthogonalized,
+    ``Q = mean(M^T P)``, with ``M = grad + residual``; the update is
+    ``P Q^T`` and the residual ``M - P Q^T``. The other leaves are averaged
+    exactly, or by ``compress_gradients`` with ``rest``. Vogels et al. 2019,
+    Algorithms 1 and 2; docs/training.md, "PowerSGD".
 
     Args:
-      axis_name: the data-parallel mesh / pmap axis; a pair ``(slow, fast)``
-        averages exactly over ``fast`` first and compresses over ``slow``
-        (the hierarchical algorithm: the devices of one ``fast`` group then
-        hold the same residual).
+      axis_name: the data-parallel mesh / pmap axis; ``(slow, fast)``
+        averages exactly over ``fast`` and compresses over ``slow``.
       rank: the rank r of the approximation.
-      warmup_steps: the first steps send the exact mean (PyTorch's
-        ``start_powerSGD_iter``); may be a traced int.
+      warmup_steps: the first steps send the exact mean; may be traced.
       min_compression_rate: compress a leaf only if its factors are at least
         this many times smaller than it.
-      warm_start: start each step's power iteration from the previous
-        step's Q (the paper's reuse); False draws a fresh standard normal Q
-        every step (the same on every device).
-      error_feedback: keep M - P Q^T for the next step.
+      warm_start: start each power iteration from the previous step's Q;
+        False draws a fresh standard normal Q every step.
+      error_feedback: keep ``M - P Q^T`` for the next step.
       rest: None (the other leaves averaged exactly) or a codec policy for
-        them, as ``compress_gradients`` takes (its defaults otherwise).
-      on_nonfinite: what ``update`` returns for a step whose mean is not
-        finite, as ``compress_gradients``: ``"pass"`` (the mean) or
-        ``"skip"`` (zeros). Either way such a step leaves the state (the Qs,
-        the residuals, ``rest``'s state, ``step``) as it was and counts in
-        ``Telemetry.skipped_steps``.
+        them, as ``compress_gradients`` takes.
+      on_nonfinite: as ``compress_gradients``: ``"pass"`` or ``"skip"``.
       seed: seeds the initial (and, without warm start, every) Q.
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`PowerSGDState`.
+      An ``optax.GradientTransformation`` whose state is a :class:`PowerSGDState`.
     """
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 1:
         raise ValueError(f"{_WHO}: rank must be a Python int >= 1, got {rank!r}")

@@ -27,7 +27,7 @@ from jaxcomp.optax._transform import CompressState
 _WHO = "jc.optax.relayout"
 
 
-def relayout(  # long: the public docstring; the body walks the states
+def relayout(
     opt_state,
     tx: optax.GradientTransformation,
     params,
@@ -38,56 +38,24 @@ def relayout(  # long: the public docstring; the body walks the states
 ) -> Any:
     """A jaxcomp optimizer state saved on P devices, laid out for ``mesh``.
 
-    Restoring a checkpoint on another number of devices (a preempted or
-    elastic job), or onto a two-level mesh: ``opt_state`` is the state as
-    saved (its per-device leaves with P rows; host arrays, or arrays in any
-    layout, as orbax restores them), and the result is the state that
-    ``jc.optax.init(tx, params, mesh, axis_name)`` would make, holding what
-    ``opt_state`` held.
-
-    What carries over, and the rule: the replicated leaves (step, PRNG key,
-    ``onebit_adam``'s moments and freeze, PowerSGD's Q, DiLoCo's anchor and
-    outer state) as they are; the telemetry's count of skipped steps and
-    residual norm (its byte figures are the new mesh's, as
-    ``jc.optax.init`` makes them). The error-feedback residuals are
-    what every device still owes the mean: a device's residual enters its
-    next sum and reaches the mean divided by the number of devices, and a
-    server residual (two-level error feedback; in units of the mean) enters
-    it whole. The rule keeps, for every parameter element, what all of them
-    together owe the mean,
-    ``sum_d residual_d / P + sum of the server residuals at their positions``
-    (``jc.collectives.state_positions``), exactly up to one float32
-    rounding (the sums are taken in float64):
-
-    - the server residuals are folded into the worker residuals (each
-      device's residual gets their sum, which it owes the mean by ``1/Q``
-      and all Q together by 1) and start again at zero, since their layout
-      (chunks per device) is that of the old mesh;
-    - worker residuals (and DiLoCo's, and the gradients an
-      ``optax.MultiSteps`` has accumulated per device): old device ``d``
-      goes to new device ``d mod Q`` when Q <= P (each new device holds the
-      sum of its old ones, times Q / P: the mean of a group when Q divides
-      P); when Q > P, new device ``e`` takes old device ``e mod P``'s, times
-      Q / P over the number of new devices that take it (a copy when P
-      divides Q). Either way the sum over the devices scales by Q / P, and
-      what they owe the mean is kept. P == Q keeps every row as it is.
-    - DiLoCo's per-replica inner optimizer states: the mean of the old
-      replicas a new one takes (as above, without the Q / P scale); integer
-      leaves (step counts, equal on every replica) from the first of them.
+    For a checkpoint restored on another number of devices, or onto a
+    two-level mesh: the result is the state ``jc.optax.init(tx, params,
+    mesh, axis_name)`` would make, holding what ``opt_state`` held. The
+    replicated leaves carry over as they are; the error-feedback residuals
+    are re-laid so that, for every parameter element, what all of them owe
+    the mean is kept, up to one float32 rounding (docs/training.md, "On
+    another number of devices").
 
     Args:
-      opt_state: the saved state (of ``tx``, on P devices).
+      opt_state: the saved state (of ``tx``, on P devices; host arrays, or
+        arrays in any layout, as orbax restores them).
       tx: the optimizer, built for ``mesh``'s axes as it was built when the
-        state was saved (the same codecs, algorithm, fusion and the rest:
-        they lay the server residuals out).
+        state was saved (the same codecs, algorithm, fusion and the rest).
       params: the parameters (or their shapes), as ``jc.optax.init`` takes them.
       mesh: the mesh to train on now.
       axis_name: its data axis, or the ``(slow, fast)`` pair.
-      from_axis_sizes: the sizes of the data axes the state was saved on:
-        None for one axis of P devices (the rows of its per-device
-        leaves), or the ``(slow, fast)`` sizes of a two-level mesh, which
-        a state saved there needs (its server residuals' shapes do not
-        always tell the two apart; where they do not fit, this raises).
+      from_axis_sizes: None for a state saved on one axis of P devices, or
+        the ``(slow, fast)`` sizes of the two-level mesh it was saved on.
     Returns:
       The state on ``mesh``, laid out as ``jc.optax.init`` lays it out.
     Raises:

@@ -20,35 +20,25 @@ class Telemetry(NamedTuple):
     """What the last step communicated (identical on every device).
 
     Attributes:
-      bits_per_element: float32[]: payload bits per gradient element: the
-        codecs' wire bits for the fused bucket sizes, plus the uncompressed
-        leaves at their own width (8 x itemsize); during warm-up, every leaf
-        at its own width.
+      bits_per_element: float32[]: payload bits per gradient element (the
+        codecs' wire bits for the fused buckets, the uncompressed leaves at
+        their own width; during warm-up, every leaf at its own width).
       wire_bytes: float32[]: bytes this device sent in the step's
-        collectives (``jc.collectives.send_nbytes`` of each bucket: (P-1) x
-        C(n) for an allgather, 2 (P-1)/P x C(n) for two-phase and ring; and
-        2 (P-1)/P x n x itemsize for the uncompressed all-reduce; for
-        variable-rate codecs and the sparse algorithm, the largest capacity
-        tier, an upper bound).
-      compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of all
-        the gradients sends per device (ring all-reduce, 2 (P-1)/P x 4 N)
-        over ``wire_bytes``; with one device, 32 / ``bits_per_element``.
-      residual_norm: float32[]: the L2 norm of the error-feedback residuals
-        of all devices together after the step, when ``compress_gradients``
-        was built with ``residual_norm=True`` (it costs one scalar all-reduce
-        per step); otherwise, and without error feedback, 0.
+        collectives (``jc.collectives.send_nbytes`` of each bucket, and the
+        uncompressed all-reduce; for variable-rate codecs and the sparse
+        algorithm, the largest capacity tier, an upper bound).
+      compression_ratio: float32[]: the bytes a float32 ``lax.pmean`` of the
+        gradients sends per device (ring all-reduce) over ``wire_bytes``;
+        with one device, 32 / ``bits_per_element``.
+      residual_norm: float32[]: the L2 norm of all devices' residuals after
+        the step, with ``compress_gradients(..., residual_norm=True)``; else 0.
       skipped_steps: int32[]: the steps so far whose mean gradient was not
-        finite (a NaN or an inf on some device), which left the state as it
-        was (a running count, unlike the other fields).
+        finite, which left the state as it was (a running count).
 
-    The first three are constants of the plan, chosen by the warm-up flag:
-    reading them costs no communication. A new state (before its first
-    step) holds what the first step will send, computed from the
-    parameters' shapes and dtypes, when it was made where the mesh axes
-    are bound (``jc.optax.init``, ``jc.data_parallel``'s ``step.init``,
-    ``jax.pmap(tx.init, axis_name=...)``); a state made by a plain
-    ``tx.init`` outside the mesh holds zeros (it does not know the
-    number of devices).
+    The first three are constants of the plan: reading them costs no
+    communication. A state made where the mesh axes are bound
+    (``jc.optax.init``, ``step.init``) holds its first step's; a plain
+    ``tx.init`` outside the mesh holds zeros. docs/training.md, "Telemetry".
     """
 
     bits_per_element: jax.Array

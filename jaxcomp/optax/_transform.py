@@ -226,7 +226,7 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def compress_gradients(  # long: the public docstring; the body builds the config
+def compress_gradients(
     codec: Policy,
     axis_name: str | tuple[str, str],
     *,
@@ -245,74 +245,29 @@ def compress_gradients(  # long: the public docstring; the body builds the confi
 
     The first element of an ``optax.chain`` inside a ``jax.shard_map``'d (or
     ``jax.pmap``'d) train step, in place of ``lax.pmean(grads, axis_name)``.
-    Each step, on every device: the leaves and their residuals are packed
-    into fused buffers (per codec and dtype, up to ``fusion_bytes``) as
-    ``acc = grad + residual``; ``jc.pmean(acc)`` gives the compressed mean
-    and what this device sent; ``residual = acc - sent`` is unpacked into
-    one residual per leaf and carried to the next step. This is the error
-    feedback of 1-bit SGD (Seide et al. 2014, section 3), 3LC's error
-    accumulation buffers (Lim et al. 2019, section 3.1) and SparCML's
-    Algorithm 1 (Renggli et al. 2019); Karimireddy et al. 2019 ("Error
-    Feedback Fixes SignSGD") show why it restores the convergence of the
-    uncompressed method. Over any number of steps, what was applied (times
-    the number of devices) plus the residuals equals the sum of the
-    gradients.
-
-    The residuals are shaped like the parameters, one per floating-point
-    leaf whatever its codec: a leaf sent uncompressed this step sends
-    ``grad + residual`` exactly and keeps what its dtype's rounding left (0
-    in float32). So a state saved under one ``fusion_bytes``, policy or
-    ``min_compress_size`` restores under another. They cost
-    ``residual_dtype``'s size (4 bytes in float32) per floating-point
-    parameter per device. A step whose mean gradient is not finite (a NaN
-    or an inf in any device's gradient reaches the mean, for every codec
-    and algorithm: tested) leaves the residuals, the server residuals,
-    ``step`` and ``key`` as they were, so the next step is the one that
-    would have come had this gradient never been given, and counts itself
-    in ``Telemetry.skipped_steps``; the flag is read from the mean, which
-    is identical on every device, so it costs no collective. A residual
-    element whose new value would not be finite (past a narrower
-    ``residual_dtype``'s range) keeps its old value.
+    Each step averages ``acc = grad + residual`` with ``jc.pmean``, in fused
+    buckets, and keeps ``acc - sent`` as the next residual, one per
+    floating-point leaf (Seide et al. 2014, section 3). A step whose mean is
+    not finite leaves the state as it was. docs/training.md has the details.
 
     Args:
-      codec: a :mod:`jaxcomp.codecs` codec for every leaf (or its spec
-        string, ``"qsgd:bits=4"``, or its class, for its defaults); or a
-        callable ``(path, leaf) -> codec | None``; or a pytree of codecs
-        and ``None`` with the gradients' structure (``None``: uncompressed).
-        Wherever a codec goes, a spec string does too.
-      axis_name: the data-parallel mesh / pmap axis; a pair
-        ``(slow, fast)`` selects the hierarchical algorithm.
+      codec: a :mod:`jaxcomp.codecs` codec (or its spec string or class) for
+        every leaf; a callable ``(path, leaf) -> codec | None``; or a pytree
+        of codecs and ``None`` (uncompressed) with the gradients' structure.
+      axis_name: the data-parallel axis; ``(slow, fast)``: hierarchical.
       error_feedback: carry what compression dropped to the next step.
-      server_error_feedback: with ``error_feedback``, also keep the error of
-        the algorithm's second stage (two-phase, ring, the sparse split)
-        where it was made, in per-device server residuals at the scale of
-        what that stage compresses (two-level error feedback, as DeepSpeed's
-        1-bit Adam does). False charges it to the chunk owner's residual at
-        the scale of the sum (one-level), which needs no extra memory but
-        makes some codecs train worse or diverge (docs/collectives.md).
+      server_error_feedback: also keep the error of the algorithm's second
+        stage in per-device server residuals (two-level error feedback).
       algorithm: passed to ``jc.pmean`` (``jc.collectives.ALGORITHMS``).
-      fusion_bytes: the largest fused bucket, in gradient bytes (a leaf
-        larger than this is a bucket of its own, and costs no copy); None:
-        4 MiB.
-      min_compress_size: leaves with fewer elements are averaged
-        uncompressed, all in one fused ``lax.pmean``; None: 1024.
-      warmup_steps: the first steps use the exact (uncompressed) mean, as in
-        PowerSGD's ``start_powerSGD_iter`` and 1-bit Adam's warm-up. May be
-        a traced int (``optax.inject_hyperparams``).
+      fusion_bytes: the largest fused bucket, in gradient bytes; None: 4 MiB.
+      min_compress_size: smaller leaves are averaged uncompressed; None: 1024.
+      warmup_steps: the first steps send the exact mean; may be traced.
       residual_dtype: dtype of the residuals (float32 by default).
-      residual_norm: also report the residuals' global L2 norm in the
-        telemetry, at the cost of one scalar all-reduce per step; if False,
-        ``Telemetry.residual_norm`` is 0.
-      on_nonfinite: what ``update`` returns for a step whose mean gradient
-        is not finite: ``"pass"`` (the default) returns that mean, so that
-        ``optax.apply_if_finite`` or a loss scaler after it sees the
-        overflow and skips the step; ``"skip"`` returns zero updates (plain
-        SGD then leaves the parameters as they were; a later stateful
-        transformation still counts a step).
+      residual_norm: also report the residuals' L2 norm (a scalar all-reduce a step).
+      on_nonfinite: what a non-finite step returns: ``"pass"`` (its mean) or ``"skip"``.
       seed: seeds the PRNG key of stochastic codecs.
     Returns:
-      An ``optax.GradientTransformation`` whose state is a
-      :class:`CompressState`.
+      An ``optax.GradientTransformation`` whose state is a :class:`CompressState`.
     """
     config = CommConfig(
         axis_name,
