@@ -50,6 +50,20 @@ class Packed(NamedTuple):
         return feedback.accumulate(self.grad, self.residual)
 
 
+def pack_group(group: Bucket, grads: list, residuals: list) -> Packed:
+    """One group's :class:`Packed` buffers from its leaves' gradients and
+    residuals (None for leaves without one), in the group's order."""
+
+    def joined(parts):
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+
+    grad = joined([g.reshape(-1).astype(group.dtype) for g in grads])
+    if any(r is None for r in residuals):
+        return Packed(grad, None)
+    dtype = _acc_dtype(group)
+    return Packed(grad, joined([r.reshape(-1).astype(dtype) for r in residuals]))
+
+
 def pack(plan: Plan, leaves: list, residuals: list) -> tuple[Packed, ...]:
     """The gradient and residual buffers of every group of the plan.
 
@@ -61,40 +75,34 @@ def pack(plan: Plan, leaves: list, residuals: list) -> tuple[Packed, ...]:
     Returns:
       One :class:`Packed` per ``plan.groups`` entry, flat.
     """
-
-    def joined(parts):
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
-
-    def packed(group):
-        grad = joined([leaves[i].reshape(-1).astype(group.dtype) for i in group.leaves])
-        rs = [residuals[i] for i in group.leaves]
-        if any(r is None for r in rs):
-            return Packed(grad, None)
-        dtype = _acc_dtype(group)
-        return Packed(grad, joined([r.reshape(-1).astype(dtype) for r in rs]))
-
-    return tuple(packed(g) for g in plan.groups)
+    return tuple(
+        pack_group(g, [leaves[i] for i in g.leaves], [residuals[i] for i in g.leaves])
+        for g in plan.groups
+    )
 
 
-def _compressed_mean(buckets, operands, *, axes, key, algorithm):
+def _bucket_mean(b: Bucket, pk: Packed, server, *, axes, key, algorithm, previous):
+    """One compressed bucket's mean: ``(value, kept, server)``; its first
+    collective waits for ``previous`` (XLA:CPU, see ``after``)."""
+    kw = dict(key=key, algorithm=algorithm, state=server)
+    if pk.residual is None:
+        r = pmean(after(pk.grad, previous), axes, b.codec, **kw)
+        return r.value, None, r.state
+    return pmean_feedback(pk.grad, pk.residual, axes, b.codec, after=previous, **kw)
+
+
+def _compressed_mean(buckets, operands, *, axes, key, algorithm, first=0, previous=None):
+    """The buckets' means, one bucket's collectives after the other's, on
+    every device alike; bucket ``first + j`` draws from ``fold_in(key,
+    first + j)``."""
     packs, servers = operands
     values, kept, new_servers = [], [], []
-    previous = None
     for j, (b, pk) in enumerate(zip(buckets, packs, strict=True)):
-        # One bucket's collectives after the other's, on every device alike
-        # (XLA:CPU, see ``after``).
-        kw = dict(
-            key=jax.random.fold_in(key, j),
-            algorithm=algorithm,
-            state=None if servers is None else servers[j],
+        server = None if servers is None else servers[j]
+        k = jax.random.fold_in(key, first + j)
+        value, left, state = _bucket_mean(
+            b, pk, server, axes=axes, key=k, algorithm=algorithm, previous=previous
         )
-        if pk.residual is None:
-            r = pmean(after(pk.grad, previous), axes, b.codec, **kw)
-            value, left, state = r.value, None, r.state
-        else:
-            value, left, state = pmean_feedback(
-                pk.grad, pk.residual, axes, b.codec, after=previous, **kw
-            )
         values.append(value)
         kept.append(left)
         new_servers.append(state)
@@ -115,6 +123,45 @@ def _exact_mean(groups, operands, *, axes):
         for pk, acc, s in zip(packs, accs, sent, strict=True)
     )
     return tuple(values), kept, servers
+
+
+def reduce_bucket(
+    plan: Plan, j: int, pk: Packed, server, *, axes, key, algorithm, warmup, previous
+):
+    """Bucket ``j``'s mean of ``grad + residual``: ``(value, kept, server)``,
+    compressed with the bucket's codec, or exactly in a warm-up step; its
+    collectives wait for ``previous`` (every device issues the buckets in one
+    order, see ``after``)."""
+    b = plan.buckets[j]
+    servers = None if server is None else (server,)
+    if warmup is None:
+        compressed = functools.partial(
+            _compressed_mean,
+            (b,),
+            axes=axes,
+            key=key,
+            algorithm=algorithm,
+            first=j,
+            previous=previous,
+        )
+        out = compressed(((pk,), servers))
+    else:  # both branches' collectives after the previous bucket's
+        pk = after(pk, previous)
+        compressed = functools.partial(
+            _compressed_mean, (b,), axes=axes, key=key, algorithm=algorithm, first=j
+        )
+        exact = functools.partial(_exact_mean, (b,), axes=axes)
+        out = lax.cond(warmup, exact, compressed, ((pk,), servers))
+    (value,), (left,), servers = out
+    return value, left, None if servers is None else servers[0]
+
+
+def reduce_exact(plan: Plan, packs, *, axes, previous):
+    """The uncompressed groups' exact means (one ``lax.pmean``) and what
+    each kept, after ``previous``."""
+    groups = plan.groups[len(plan.buckets) :]
+    means, kept, _ = _exact_mean(groups, (after(packs, previous), None), axes=axes)
+    return means, kept
 
 
 def reduce(plan: Plan, packs, axes, *, key, algorithm: str, warmup, servers=None):
@@ -142,17 +189,28 @@ def reduce(plan: Plan, packs, axes, *, key, algorithm: str, warmup, servers=None
       server residuals (None without).
     """
     nb = len(plan.buckets)
-    compressed = functools.partial(
-        _compressed_mean, plan.buckets, axes=axes, key=key, algorithm=algorithm
-    )
-    if warmup is None or not nb:
-        means, kept, servers = compressed((packs[:nb], servers))
-    else:
-        exact = functools.partial(_exact_mean, plan.buckets, axes=axes)
-        means, kept, servers = lax.cond(warmup, exact, compressed, (packs[:nb], servers))
-    rest = after(packs[nb:], (means, kept, servers))  # the exact all-reduce comes last
-    exact_means, exact_kept, _ = _exact_mean(plan.groups[nb:], (rest, None), axes=axes)
-    return means + exact_means, kept + exact_kept, servers
+    means, kept, new_servers, previous = [], [], [], None
+    for j in range(nb):
+        server = None if servers is None else servers[j]
+        value, left, server = reduce_bucket(
+            plan,
+            j,
+            packs[j],
+            server,
+            axes=axes,
+            key=key,
+            algorithm=algorithm,
+            warmup=warmup,
+            previous=previous,
+        )
+        means.append(value)
+        kept.append(left)
+        new_servers.append(server)
+        previous = (value, left, server)
+    previous = (tuple(means), tuple(kept), tuple(new_servers))  # the exact all-reduce comes last
+    exact_means, exact_kept = reduce_exact(plan, packs[nb:], axes=axes, previous=previous)
+    servers = None if servers is None else tuple(new_servers)
+    return tuple(means) + exact_means, tuple(kept) + exact_kept, servers
 
 
 def zero_unless(ok, u):
@@ -193,6 +251,15 @@ def _split(buffer, group: Bucket, plan: Plan) -> list[tuple[int, jax.Array]]:
     return out
 
 
+def unpack_group(plan: Plan, group: Bucket, mean, left, residual_dtype) -> tuple[list, list]:
+    """One group's mean gradient leaves and new residual leaves (None
+    without error feedback or a residual), in the group's leaf order."""
+    means = [leaf.astype(plan.dtypes[i]) for i, leaf in _split(mean, group, plan)]
+    if residual_dtype is None or left is None:
+        return means, [None] * len(means)
+    return means, [leaf for _, leaf in _split(left.astype(residual_dtype), group, plan)]
+
+
 def unpack(plan: Plan, leaves: list, means, kept, residual_dtype) -> Unpacked:
     """Splits the means into gradient leaves and what each buffer kept into
     residual leaves.
@@ -207,10 +274,7 @@ def unpack(plan: Plan, leaves: list, means, kept, residual_dtype) -> Unpacked:
     """
     updates, residuals = list(leaves), [None] * len(leaves)
     for group, mean, left in zip(plan.groups, means, kept, strict=True):
-        for i, leaf in _split(mean, group, plan):
-            updates[i] = leaf.astype(plan.dtypes[i])
-        if residual_dtype is None or left is None:
-            continue
-        for i, leaf in _split(left.astype(residual_dtype), group, plan):
-            residuals[i] = leaf
+        ms, rs = unpack_group(plan, group, mean, left, residual_dtype)
+        for i, m, r in zip(group.leaves, ms, rs, strict=True):
+            updates[i], residuals[i] = m, r
     return Unpacked(updates, residuals)
