@@ -200,18 +200,28 @@ def _route(path: str, codec: Codec | None, size: int, dtype: np.dtype, min_compr
     return "compressed"
 
 
+# The bucket the backward pass completes first holds at most this fraction of
+# fusion_bytes, so that its collective starts after the last layers' gradients
+# (PyTorch DDP's first bucket is small for the same reason).
+FIRST_BUCKET_FRACTION = 8
+
+
 def _fuse(leaves: list[int], sizes: list[int], itemsize: int, fusion_bytes: int):
     """Splits leaves sharing a codec and dtype, in order, into buckets of at
-    most ``fusion_bytes`` (a larger leaf is a bucket of its own)."""
+    most ``fusion_bytes`` (a larger leaf is a bucket of its own), filled
+    from the last leaf: for a model whose parameters are listed in the order
+    of use, the order in which the backward pass completes them. The
+    bucket of the last leaves holds at most ``fusion_bytes //
+    FIRST_BUCKET_FRACTION``."""
     buckets: list[list[int]] = [[]]
-    nbytes = 0
-    for i in leaves:
-        if buckets[-1] and nbytes + sizes[i] * itemsize > fusion_bytes:
+    nbytes, cap = 0, fusion_bytes // FIRST_BUCKET_FRACTION
+    for i in reversed(leaves):
+        if buckets[-1] and nbytes + sizes[i] * itemsize > cap:
             buckets.append([])
-            nbytes = 0
+            nbytes, cap = 0, fusion_bytes
         buckets[-1].append(i)
         nbytes += sizes[i] * itemsize
-    return buckets
+    return [b[::-1] for b in reversed(buckets)]
 
 
 def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int) -> Plan:
