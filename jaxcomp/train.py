@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomp._axes import names_of
 from jaxcomp.collectives import all_finite
-from jaxcomp.optax import DiLoCoState, all_reduce_states, state_specs
+from jaxcomp.optax import CompressState, DiLoCoState, all_reduce_states, state_specs
 from jaxcomp.optax import init as init_state
 
 __all__ = ["DataParallel", "data_parallel"]
@@ -97,6 +97,10 @@ class DataParallel:
         sharded training over its axes.
       require_all_reduce: refuse an update that does not all-reduce the
         gradients (replicated; False for what means it).
+      overlap: replicated, with ``tx`` starting with ``compress_gradients``
+        and no accumulation: each bucket is reduced from inside the backward
+        pass, as soon as its gradients exist (the same bits as after it);
+        False: after the backward pass.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class DataParallel:
         max_in_flight: int | str | None = "auto",
         require_all_reduce: bool = True,
         shard_params=None,
+        overlap: bool = True,
     ):
         if shard_params is None:
             axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
@@ -141,6 +146,7 @@ class DataParallel:
         self.accumulate_steps = int(accumulate_steps)
         self.donate = donate
         self.require_all_reduce = bool(require_all_reduce)
+        self.overlap = bool(overlap)
         self._axes = axes
         self._data_spec = P(axes if len(axes) > 1 else axes[0])
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
@@ -547,11 +553,27 @@ class DataParallel:
         def local(params, opt_state, batch, rest, key=None):
             if per_replica:  # this replica's copy
                 params = jax.tree.map(lambda a: a[0], params)
-            (loss, aux), grads, rest, mutated = self._device_grads(
-                self._loss, params, rest, batch, key
-            )
-            if self.require_all_reduce and not per_replica:
-                check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
+            overlapped = self._overlapped(params, opt_state)
+            if overlapped is None:
+                (loss, aux), grads, rest, mutated = self._device_grads(
+                    self._loss, params, rest, batch, key
+                )
+                if self.require_all_reduce and not per_replica:
+                    check_all_reduce(self.tx, grads, opt_state, params, self.axis_name)
+            else:  # the chain's first transformation reduces in the backward pass
+                at, reducer = overlapped
+                state = _at(opt_state, at)
+                wrap, extra = reducer.hooks(
+                    params, state, self._first_use(params, rest, batch, key)
+                )
+
+                def loss_of(params, extra, rest, batch, *key, mutated):
+                    return self._loss(wrap(params, extra), rest, batch, *key, mutated=mutated)
+
+                (loss, aux), (grads, new_extra), rest, mutated = self._device_grads(
+                    loss_of, params, rest, batch, key, extra=(extra,)
+                )
+                opt_state = _replace_at(opt_state, at, reducer.reduced(state, new_extra))
             updates, opt_state = self.tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             out = (loss, aux) if self.has_aux else loss
@@ -682,6 +704,26 @@ class DataParallel:
             return params, fsdp.ShardedState(opt_state, residuals, state.step + 1), out, changed
 
         return jax.jit(step, donate_argnums=(0, 1) if self.donate else ())
+
+    def _overlapped(self, params, opt_state):
+        """Where in ``opt_state`` the ``compress_gradients`` state is whose
+        reduction the backward pass runs, and ``tx``'s reducer for it (the
+        first transformation of the chain), or None (after the backward
+        pass)."""
+        if not self.overlap or self._per_replica or self.accumulate_steps > 1:
+            return None
+        made = jax.eval_shape(self.tx.init, params)
+        at = _first_compress(made)
+        if at is None or _first_compress(opt_state) != at:  # a state of another chain
+            return None
+        return at, _at(made, at).comm.reducer
+
+    def _first_use(self, params, rest, batch, key) -> list:
+        """Per parameter leaf, where the loss first uses it (see
+        :func:`_first_uses`)."""
+        args = () if key is None else (key,)
+        closed = jax.make_jaxpr(lambda p: self._loss(p, rest, batch, *args, mutated=[])[0])(params)
+        return _first_uses(closed.jaxpr, len(jax.tree.leaves(params)))
 
     def _update(self, grads, opt_state, params):
         """``tx``'s update on global arrays, partitioned by XLA (sharded)."""
@@ -845,6 +887,79 @@ def _flow(jaxpr, inputs: list) -> list:
             outs = [(local, reduced)] * len(eqn.outvars)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
+
+
+# What moves or casts a parameter without using it: the use that matters to
+# the backward pass is the first one of what these make of it.
+_NOT_A_USE = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "copy",
+        "copy_p",
+    }
+)
+
+
+def _first_uses(jaxpr, n: int) -> list:
+    """Per input ``i < n`` of ``jaxpr``, the position (in program order,
+    calls followed inside) of the first equation that uses it or a cast or
+    reshape of it; ``inf`` where nothing does. The backward pass has the
+    complete gradient of a parameter once it has passed its first use."""
+    first: dict[int, int] = {}
+    position = iter(range(1 << 62))
+
+    def walk(jaxpr, env):
+        for eqn in jaxpr.eqns:
+            t = next(position)
+            ins = [
+                frozenset() if isinstance(v, Literal) else env.get(v, frozenset())
+                for v in eqn.invars
+            ]
+            tracked = frozenset().union(*ins)
+            if not tracked:
+                continue
+            body = _call_body(eqn)
+            if body is not None:  # what the call returns of a parameter, cast, is it
+                inner = walk(body, {v: ix for v, ix in zip(body.invars, ins, strict=True) if ix})
+                outs = [None if isinstance(v, Literal) else inner.get(v) for v in body.outvars]
+                env.update((o, ix) for o, ix in zip(eqn.outvars, outs, strict=True) if ix)
+            elif eqn.primitive.name in _NOT_A_USE:
+                env.update((v, tracked) for v in eqn.outvars)
+            else:
+                for i in tracked:
+                    first.setdefault(i, t)
+        return env
+
+    walk(jaxpr, {v: frozenset((i,)) for i, v in enumerate(jaxpr.invars[:n])})
+    return [first.get(i, float("inf")) for i in range(n)]
+
+
+def _first_compress(state, at: tuple = ()):
+    """The path of the first transformation's state, following the first
+    element of chains, if it is a :class:`~jaxcomp.optax.CompressState`."""
+    if isinstance(state, CompressState):
+        return at
+    if type(state) is tuple and state:
+        return _first_compress(state[0], (*at, 0))
+    return None
+
+
+def _at(state, at: tuple):
+    for i in at:
+        state = state[i]
+    return state
+
+
+def _replace_at(state, at: tuple, value):
+    if not at:
+        return value
+    i = at[0]
+    return (*state[:i], _replace_at(state[i], at[1:], value), *state[i + 1 :])
 
 
 def _subjaxprs(eqn):

@@ -470,8 +470,12 @@ class Comm:
     state as static pytree data (no leaves; part of its structure): the
     plan that lays its residuals and server residuals out, the algorithm and
     the axes. ``jc.optax.init`` reads its coarse codecs, ``relayout`` its
-    server residuals' layout."""
+    server residuals' layout. ``reducer``: the transformation's
+    ``InBackward`` (its reduction from the backward pass), which ``jc.data_parallel`` runs from
+    inside the backward pass; not compared, so that the states of two equal
+    transformations have one structure."""
 
     plan: Plan
     algorithm: str
     axis_name: Any
+    reducer: Any = dataclasses.field(default=None, compare=False, repr=False)

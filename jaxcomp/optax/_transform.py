@@ -13,6 +13,7 @@ the step's telemetry.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -23,6 +24,7 @@ from jaxcomp.collectives import all_finite, recompression_warning
 
 # planning.py imports the defaults from this module.
 from jaxcomp.optax._config import CommConfig, axis_sizes_or_none, bound_axis_sizes
+from jaxcomp.optax._overlap import in_backward
 from jaxcomp.optax._plan import Plan, Policy, gradient_shapes, make_plan, resolve_policy
 from jaxcomp.optax._state import (
     Comm,
@@ -165,6 +167,46 @@ def next_state(
     return CompressState(step, key, kept.residuals, kept.server_residuals, tel, state.comm)
 
 
+class Reduced(NamedTuple):
+    """What ``update`` gets in place of its :class:`CompressState` once the
+    backward pass has reduced the gradients (:class:`InBackward`): the
+    state, and the new residual of every leaf (None where none) and server
+    residuals, kept unless the mean is not finite. The gradients given
+    with it are the means."""
+
+    state: CompressState
+    residuals: list
+    servers: tuple | None
+
+
+class InBackward:
+    """``compress_gradients``' reduction, run from inside the backward pass
+    (``jc.data_parallel``'s overlapped step; docs/training-loop.md).
+
+    ``wrap, extra = hooks(params, state, first_use)`` before the loss;
+    the loss of ``wrap(params, extra)``; then its gradients ``(means,
+    new_extra)`` and ``reduced(state, new_extra)`` go to ``update``.
+    """
+
+    def __init__(self, plan_for: Callable, config: CommConfig):
+        self._plan_for = plan_for
+        self._config = config
+
+    def hooks(self, params, state: CompressState, first_use: list):
+        """``(wrap, extra)`` for this step (``first_use``: per parameter
+        leaf, where the loss first uses it)."""
+        check_type(state, CompressState, self._config.who)
+        plan = self._plan_for(gradient_shapes(params))
+        sizes = bound_axis_sizes(self._config.axis_name, self._config.who)
+        inputs = read_inputs(plan, params, state, self._config, sizes)
+        return in_backward(plan, inputs, self._config, sizes, first_use)
+
+    @staticmethod
+    def reduced(state: CompressState, new_extra) -> Reduced:
+        residuals, servers = new_extra
+        return Reduced(state, residuals, servers)
+
+
 def initial_servers(plan: Plan, config: CommConfig) -> tuple:
     """The server residuals of a new state (none with one-level error feedback)."""
     if not config.two_level:
@@ -183,6 +225,8 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             fusion_bytes=config.fusion_bytes,
         )
 
+    reducer = InBackward(plan_for, config)
+
     def init_fn(params) -> CompressState:
         plan = plan_for(gradient_shapes(params))
         return CompressState(
@@ -193,11 +237,29 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             telemetry=first_step_telemetry(
                 plan, axis_sizes_or_none(config.axis_name), config.algorithm, config.warmup_steps
             ),
-            comm=Comm(plan, config.algorithm, config.axis_name),
+            comm=Comm(plan, config.algorithm, config.axis_name, reducer),
         )
+
+    def reduced_update(grads, r: Reduced):
+        """The step after the backward pass reduced it: the non-finite rule
+        and the new state, as below."""
+        state = r.state
+        check_type(state, CompressState, config.who)
+        plan = plan_for(grads)
+        sizes = bound_axis_sizes(config.axis_name, config.who)
+        if config.error_feedback:
+            warn_unsafe(plan, config)
+        inputs = read_inputs(plan, grads, state, config, sizes)
+        means = [inputs.leaves[i] for g in plan.groups for i in g.leaves]
+        out = Unpacked(inputs.leaves, r.residuals)
+        kept = feedback(plan, state, config, all_finite(means), out, r.servers, sizes)
+        updates = nonfinite_updates(config.on_nonfinite, kept.ok, out.updates)
+        return plan.treedef.unflatten(updates), next_state(plan, state, config, inputs, kept, sizes)
 
     def update_fn(grads, state: CompressState, params=None):
         del params
+        if isinstance(state, Reduced):
+            return reduced_update(grads, state)
         check_type(state, CompressState, config.who)
         plan = plan_for(grads)
         sizes = bound_axis_sizes(config.axis_name, config.who)
