@@ -240,44 +240,33 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             comm=Comm(plan, config.algorithm, config.axis_name, reducer),
         )
 
-    def reduced_update(grads, r: Reduced):
-        """The step after the backward pass reduced it: the non-finite rule
-        and the new state, as below."""
-        state = r.state
-        check_type(state, CompressState, config.who)
-        plan = plan_for(grads)
-        sizes = bound_axis_sizes(config.axis_name, config.who)
-        if config.error_feedback:
-            warn_unsafe(plan, config)
-        inputs = read_inputs(plan, grads, state, config, sizes)
-        means = [inputs.leaves[i] for g in plan.groups for i in g.leaves]
-        out = Unpacked(inputs.leaves, r.residuals)
-        kept = feedback(plan, state, config, all_finite(means), out, r.servers, sizes)
-        updates = nonfinite_updates(config.on_nonfinite, kept.ok, out.updates)
-        return plan.treedef.unflatten(updates), next_state(plan, state, config, inputs, kept, sizes)
-
     def update_fn(grads, state: CompressState, params=None):
         del params
-        if isinstance(state, Reduced):
-            return reduced_update(grads, state)
+        reduced = state if isinstance(state, Reduced) else None
+        if reduced is not None:
+            state = reduced.state
         check_type(state, CompressState, config.who)
         plan = plan_for(grads)
         sizes = bound_axis_sizes(config.axis_name, config.who)
         if config.error_feedback:
             warn_unsafe(plan, config)
         inputs = read_inputs(plan, grads, state, config, sizes)
-        packs = pack(plan, inputs.leaves, inputs.residuals)
-        warmup = None if config.never_warm else inputs.in_warmup
-        means, kept, servers = reduce(
-            plan,
-            packs,
-            config.axes(sizes),
-            key=inputs.step_key,
-            algorithm=config.algorithm,
-            warmup=warmup,
-            servers=inputs.servers,
-        )
-        out = unpack(plan, inputs.leaves, means, kept, config.feedback_dtype)
+        if reduced is None:
+            packs = pack(plan, inputs.leaves, inputs.residuals)
+            warmup = None if config.never_warm else inputs.in_warmup
+            means, kept, servers = reduce(
+                plan,
+                packs,
+                config.axes(sizes),
+                key=inputs.step_key,
+                algorithm=config.algorithm,
+                warmup=warmup,
+                servers=inputs.servers,
+            )
+            out = unpack(plan, inputs.leaves, means, kept, config.feedback_dtype)
+        else:  # the backward pass reduced the buckets (InBackward): grads are the means
+            means = [inputs.leaves[i] for g in plan.groups for i in g.leaves]
+            out, servers = Unpacked(inputs.leaves, reduced.residuals), reduced.servers
         # The means are identical on every device, and a non-finite value in
         # any device's acc reaches them, for every codec and algorithm
         # (tests/test_nonfinite.py): one flag, no collective.
