@@ -18,6 +18,14 @@ batch; only the codecs of the two collectives differ:
 - bf16: ``jc.codecs.Cast("bfloat16")`` both ways, with error feedback;
 - QSGD-4 gradients: the reduce-scatter compressed, the all-gather float32.
 
+The replicated rows (``--rows dp-...``) run ``jc.data_parallel`` without
+``shard_params`` on the same model: ``optax.chain(compress_gradients(codec),
+optax.adam)`` (``uncompressed_mean`` for float32), its buckets reduced from
+inside the backward pass (``dp-qsgd4``), after it (``dp-qsgd4-post``:
+``overlap=False``), or on a loss whose gradient is the batch repeated
+(``dp-qsgd4-comm``: the collectives, codecs and adam alone), against the
+compute alone; for QSGD-4, OneBit and bf16 (docs/training-loop.md).
+
 XLA:CPU's float32 reduce-scatter over gloo is gloo's recursive
 halving-doubling; on 4 ranks the tc counters show ranks 1 and 2 sending
 about a quarter of the gradient more per step than ranks 0 and 3 (which
@@ -94,6 +102,37 @@ LABELS = {
     "bf16": "bf16 all-gather + bf16 reduce-scatter (EF)",
     "qsgd4-grads": "float32 all-gather + QSGD-4 reduce-scatter (EF)",
 }
+# Replicated rows: jc.data_parallel without shard_params, the chain
+# compress_gradients(codec) (uncompressed_mean for float32) + adam, its
+# buckets reduced from inside the backward pass ("overlap"), after it
+# ("post", overlap=False), or on a loss whose gradient is the batch repeated
+# ("comm": the collectives', the codecs' and adam's time alone; a gradient
+# that is a broadcast would let XLA all-reduce the scalar instead).
+# row -> (codec spec or None, mode)
+DP_ROWS = {
+    "dp-float32": (None, "post"),
+    "dp-float32-comm": (None, "comm"),
+    **{
+        f"dp-{name}{suffix}": (spec, mode)
+        for name, spec in [
+            ("qsgd4", "qsgd:bits=4"),
+            ("onebit", "onebit"),
+            ("bf16", "cast:dtype=bfloat16"),
+        ]
+        for suffix, mode in [("", "overlap"), ("-post", "post"), ("-comm", "comm")]
+    },
+}
+_MODES = {
+    "overlap": "in the backward pass",
+    "post": "after the backward pass",
+    "comm": "comm alone",
+}
+LABELS.update(
+    {
+        row: f"replicated {row[3:].removesuffix('-post').removesuffix('-comm')}, {_MODES[mode]}"
+        for row, (_, mode) in DP_ROWS.items()
+    }
+)
 MARKER = "<!-- links: filled by benchmarks/fsdp_links.py -->"
 BEGIN, END = "<!-- fsdp-links:begin -->", "<!-- fsdp-links:end -->"
 DOC = ROOT / "docs" / "fsdp.md"
@@ -189,7 +228,12 @@ def worker(args: argparse.Namespace) -> None:
         raise SystemExit("jaxcomp's CPU kernels are not importable in this process")
     out = {}
     for row in args.rows:
-        out[row] = compute_row(args) if row == "compute" else sharded_row(args, mesh, row)
+        if row == "compute":
+            out[row] = compute_row(args)
+        elif row in DP_ROWS:
+            out[row] = replicated_row(args, mesh, row)
+        else:
+            out[row] = sharded_row(args, mesh, row)
         if args.pid == 0:
             t = statistics.median(out[row]["step_times"])
             print(f"{row}: median step {t:.3f} s (process 0)", flush=True)
@@ -197,15 +241,21 @@ def worker(args: argparse.Namespace) -> None:
     jax.distributed.shutdown()
 
 
-def _timed(call, warmup: int, steps: int) -> list[float]:
-    """Seconds of ``steps`` calls after ``warmup`` (at least one: the first
-    compiles), each started together on every process (the test bed's
-    ``time_calls``); ``call`` returns what to wait for."""
+def _timed(call, warmup: int, steps: int) -> dict:
+    """``step_times``: seconds of ``steps`` calls after ``warmup`` (at
+    least one: the first compiles), each started together on every process
+    (the test bed's ``time_calls``; ``call`` returns what to wait for);
+    ``cpu_s``: the CPU seconds this process's threads spent per timed step."""
+    import time
+
     import jax
 
     for _ in range(warmup - 1):
         jax.block_until_ready(call())
-    return testbed.time_calls(call, steps)
+    jax.block_until_ready(call())  # time_calls' own warm-up call, outside the CPU count
+    cpu = time.process_time()
+    times = testbed.time_calls(call, steps)
+    return {"step_times": times, "cpu_s": (time.process_time() - cpu) / (steps + 1)}
 
 
 def compute_row(args: argparse.Namespace) -> dict:
@@ -232,8 +282,8 @@ def compute_row(args: argparse.Namespace) -> dict:
         carry[0], carry[1], loss = step(carry[0], carry[1], batch)
         return loss
 
-    times = _timed(call, args.warmup, args.steps)
-    return {"step_times": times, "calls": args.warmup + args.steps, "sent": {}}
+    timed = _timed(call, args.warmup, args.steps)
+    return {**timed, "calls": args.warmup + 1 + args.steps, "sent": {}}
 
 
 def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
@@ -251,6 +301,41 @@ def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
     )
     params, loss_fn, local_batch = make_model(args.width, args.layers, args.batch, args.pid)
     step = jc.data_parallel(loss_fn, optax.adam(args.lr), mesh, shard_params=cfg)
+    return _steps(args, step, params, local_batch)
+
+
+def replicated_row(args: argparse.Namespace, mesh, row: str) -> dict:
+    import warnings
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import jaxcomp as jc
+
+    spec, mode = DP_ROWS[row]
+    params, loss_fn, local_batch = make_model(args.width, args.layers, args.batch, args.pid)
+    if mode == "comm":  # each gradient is this device's batch, repeated: no compute to speak of
+
+        def loss_fn(p, b):
+            leaves = enumerate(jax.tree.leaves(p))  # + i: no two leaves share a gradient
+            return 1e-3 * sum(jnp.vdot(x, jnp.resize(b[0] + i, x.shape)) for i, x in leaves)
+
+    axis = mesh.axis_names[0]
+    first = (
+        jc.optax.uncompressed_mean(axis)
+        if spec is None
+        else jc.optax.compress_gradients(spec, axis)
+    )
+    tx = optax.chain(first, optax.adam(args.lr))
+    step = jc.data_parallel(loss_fn, tx, mesh, axis, overlap=mode == "overlap")
+    with warnings.catch_warnings():  # a codec under 8 bits before adam: this run only times it
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return _steps(args, step, params, local_batch)
+
+
+def _steps(args: argparse.Namespace, step, params, local_batch) -> dict:
+    """A row's timed steps of ``step`` from ``params``, its bytes and losses."""
     params, state = step.init(params)
     batch = step.shard_batch(local_batch)
     carry = [params, state]
@@ -261,16 +346,97 @@ def sharded_row(args: argparse.Namespace, mesh, row: str) -> dict:
         losses.append(loss)
         return loss
 
-    times = _timed(call, args.warmup, args.steps)
+    timed = _timed(call, args.warmup, args.steps)
     # The bytes, from the compiled program the calls ran (its executable is cached).
     text = step.lower(carry[0], carry[1], batch).compile().as_text()
     sent = sent_bytes(text, args.procs)
+    if args.profile:
+        timed["profile"] = concurrency(call, text, args.profile)
     return {
-        "step_times": times,
-        "calls": args.warmup + args.steps,
+        **timed,
+        "calls": args.warmup + 1 + args.steps + args.profile,  # every call sent its bytes
         "sent": sent,
         "first_loss": float(losses[0]),
         "last_loss": float(losses[-1]),
+    }
+
+
+_COLLECTIVE_OPS = ("all-to-all", "all-gather", "all-reduce", "collective-permute", "reduce-scatter")
+
+
+def _kinds(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled module: "collective", "matmul" (a dot,
+    or a fusion whose computation holds one: XLA:CPU fuses its matrix
+    products) or "other"."""
+    bodies, calls, ops, cur = {}, {}, {}, None
+    for line in hlo_text.splitlines():
+        head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head:
+            cur = head.group(1)
+            bodies[cur] = ""
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*? ([a-z][a-z\-]*)\(", line)
+        if m and cur is not None:
+            bodies[cur] += line
+            ops[m.group(1)] = m.group(2)
+            calls[m.group(1)] = re.findall(r"calls=%?([\w.\-]+)", line)
+
+    def kind(name):
+        op = ops[name]
+        if any(op.startswith(c) for c in _COLLECTIVE_OPS):
+            return "collective"
+        if op == "dot" or any(" dot(" in bodies.get(c, "") for c in calls[name]):
+            return "matmul"
+        return "other"
+
+    return {name: kind(name) for name in ops}
+
+
+def concurrency(call, hlo_text: str, steps: int) -> dict:
+    """ms per step, from ``jax.profiler``'s trace of ``steps`` calls (the
+    executor's events, one per operation of the compiled program): the time
+    some collective ran, some matrix product, any other operation, and a
+    collective beside a matrix product or beside anything else (intervals
+    merged over the executor's threads)."""
+    import gzip
+    import tempfile
+
+    import jax
+
+    kinds = _kinds(hlo_text)
+    with tempfile.TemporaryDirectory() as tmp:
+        jax.profiler.start_trace(tmp)
+        for _ in range(steps):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
+        (trace,) = pathlib.Path(tmp).rglob("*.trace.json.gz")
+        events = json.loads(gzip.open(trace).read())["traceEvents"]
+    spans: dict[str, list] = {"collective": [], "matmul": [], "other": []}
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in kinds:
+            spans[kinds[e["name"]]].append((e["ts"], e["ts"] + e["dur"]))
+
+    def merged(xs):
+        out = []
+        for a, b in sorted(xs):
+            if out and a <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b])
+        return out
+
+    def overlap(xs, ys):
+        return sum(max(0.0, min(b, d) - max(a, c)) for a, b in xs for c, d in ys)
+
+    coll, mm = merged(spans["collective"]), merged(spans["matmul"])
+    work = merged(spans["matmul"] + spans["other"])
+    ms = 1e-3 / steps  # trace microseconds to ms per step
+    return {
+        "collective": sum(b - a for a, b in coll) * ms,
+        "matmul": sum(b - a for a, b in mm) * ms,
+        "other": sum(b - a for a, b in merged(spans["other"])) * ms,
+        "collective_and_matmul": overlap(coll, mm) * ms,
+        "collective_and_work": overlap(coll, work) * ms,
     }
 
 
@@ -288,6 +454,7 @@ def launch(args: argparse.Namespace, rows: list[str], hosts: list[str] | None) -
 def worker_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     flags += ["--width", str(args.width), "--layers", str(args.layers), "--lr", str(args.lr)]
+    flags += ["--profile", str(args.profile)] if args.profile else []
     return flags + (["--twins"] if args.twins else [])
 
 
@@ -362,6 +529,8 @@ def summarize(raw: dict, procs: int) -> list[dict]:
                 "sent_bytes": sent,
                 "sent_by_kind": per_proc[0]["sent"],
                 "steps": len(per_proc[0]["step_times"]),
+                "cpu_s": sum(pp["cpu_s"] for pp in per_proc) if "cpu_s" in per_proc[0] else None,
+                "profile": per_proc[0].get("profile"),
                 "alpha_beta_s": compute_s + 8 * sent / rate if rate and compute_s else None,
                 "first_loss": per_proc[0].get("first_loss"),
                 "last_loss": per_proc[0].get("last_loss"),
@@ -377,7 +546,8 @@ def summarize(raw: dict, procs: int) -> list[dict]:
                 rec["tc_rate"] = run["tc_rate"]
             recs.append(rec)
     for r in recs:
-        f32 = next((x for x in recs if x["link"] == r["link"] and x["row"] == "float32"), None)
+        base = "dp-float32" if r["row"] in DP_ROWS else "float32"
+        f32 = next((x for x in recs if x["link"] == r["link"] and x["row"] == base), None)
         real = f32 is not None and r["row"] != "compute"
         r["speedup"] = f32["step_s"] / r["step_s"] if real else None
         ok = real and r["alpha_beta_s"] and f32["alpha_beta_s"]
@@ -394,8 +564,8 @@ def table(recs: list[dict]) -> list[str]:
     lines = [
         "| link | row | step s | unshaped s | alpha-beta s | MB sent/step (HLO) "
         "| MB sent/step (tc, busiest host) | float32 bytes / row bytes | speedup "
-        "| speedup (alpha-beta) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup (alpha-beta) | CPU s/step, all processes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in recs:
         tc = r.get("tc_sent_per_step")
@@ -403,8 +573,28 @@ def table(recs: list[dict]) -> list[str]:
             f"| {r['link']} | {r['label']} | {r['step_s']:.3f} | {fmt(r['unshaped_s'], '.3f')} "
             f"| {fmt(r['alpha_beta_s'], '.3f')} | {r['sent_bytes'] / 1e6:.2f} "
             f"| {fmt(tc and tc / 1e6, '.2f')} | {fmt(r['bytes_ratio'], '.2f')} "
-            f"| {fmt(r['speedup'], '.2f')} | {fmt(r['alpha_beta_speedup'], '.2f')} |"
+            f"| {fmt(r['speedup'], '.2f')} | {fmt(r['alpha_beta_speedup'], '.2f')} "
+            f"| {fmt(r.get('cpu_s'), '.3f')} |"
         )
+    profiled = [r for r in recs if r.get("profile")]
+    if profiled:
+        lines += [
+            "",
+            "Process 0's profile (`--profile`, ms per step): how long a collective ran, "
+            "a matrix product, any other operation, and a collective beside a matrix "
+            "product or beside any other work.",
+            "",
+            "| link | row | collective | matmul | other | collective + matmul "
+            "| collective + any work |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in profiled:
+            p = r["profile"]
+            lines.append(
+                f"| {r['link']} | {r['label']} | {p['collective']:.1f} | {p['matmul']:.1f} "
+                f"| {p['other']:.1f} | {p['collective_and_matmul']:.1f} "
+                f"| {p['collective_and_work']:.1f} |"
+            )
     return lines
 
 
@@ -420,7 +610,8 @@ def render(data: dict, out: pathlib.Path, *, docs: bool) -> list[str]:
         "warm-up steps. unshaped: the same step with the processes on loopback, no "
         "shaping (compute, codecs and local transport); alpha-beta: the compute alone "
         "plus the bytes sent over the link rate; tc: the bytes the busiest host's link "
-        "carried, per step.",
+        "carried, per step; CPU s/step: the CPU time of every process's threads per "
+        f"timed step, summed ({os.cpu_count()} cores give {os.cpu_count()} CPU s a second).",
         "",
         *table(recs),
     ]
@@ -476,7 +667,7 @@ def main() -> int:
         choices=list(testbed.RATES),
         help="shaped links (the rows also run once on unshaped loopback)",
     )
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=["compute", *ROWS])
+    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=["compute", *ROWS, *DP_ROWS])
     ap.add_argument("--steps", type=int, default=20, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=2, help="steps before the timed ones (>= 1)")
     ap.add_argument("--batch", type=int, default=16, help="samples per process per step")
@@ -489,6 +680,13 @@ def main() -> int:
     ap.add_argument("--render", action="store_true", help="the table from the JSON")
     ap.add_argument("--docs", action="store_true", help="write the table into docs/fsdp.md")
     ap.add_argument("--twins", action="store_true", help="time the pure-JAX twins")
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="trace this many more steps of every row and report how long its collectives "
+        "and matrix products ran at once",
+    )
     ap.add_argument(
         "--smoke", action="store_true", help="2 processes on loopback, a tiny model, 2 steps"
     )
@@ -524,7 +722,7 @@ def main() -> int:
         args.procs, args.width, args.layers, args.batch = 2, 64, 2, 4
         args.steps, args.warmup, args.timeout = 2, 1, min(args.timeout, 120)
         if args.rows == list(ROWS):
-            rows = ["compute", "float32", "int8+qsgd4"]
+            rows = ["compute", "float32", "int8+qsgd4", "dp-float32", "dp-qsgd4"]
         config = {k: getattr(args, k) for k in config}
         per_proc = launch(args, rows, None)
         raw = {LOOPBACK: {row: {"procs": [p[row] for p in per_proc]} for row in rows}}

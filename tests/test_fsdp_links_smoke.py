@@ -1,6 +1,7 @@
 """benchmarks/fsdp_links.py: a two-process smoke run (loopback, no
 namespaces and no shaping, a tiny model, two steps of the compute alone,
-the float32 sharded step and the int8 + QSGD-4 one; the measurement over
+the float32 sharded step and the int8 + QSGD-4 one, the replicated float32
+and QSGD-4 steps; the measurement over
 emulated links is not in CI), its byte count of a compiled program and
 the table it writes into docs/fsdp.md."""
 
@@ -73,12 +74,12 @@ def test_two_processes_on_loopback(tmp_path):
     data = json.loads(out.read_text())
     assert data["procs"] == 2
     rows = {rec["row"]: rec for rec in data["records"]}
-    assert set(rows) == {"compute", "float32", "int8+qsgd4"}
+    assert set(rows) == {"compute", "float32", "int8+qsgd4", "dp-float32", "dp-qsgd4"}
     for rec in rows.values():
         assert rec["link"] == "unshaped" and rec["steps"] == 2 and rec["step_s"] > 0
     # The compute alone runs no collective; the sharded steps train.
     assert rows["compute"]["sent_bytes"] == 0
-    for row in ("float32", "int8+qsgd4"):
+    for row in ("float32", "int8+qsgd4", "dp-float32", "dp-qsgd4"):
         assert math.isfinite(rows[row]["first_loss"]) and math.isfinite(rows[row]["last_loss"])
     # float32 (2 processes): each device sends half of every parameter's
     # float32 bytes in the all-gather and half in the reduce-scatter, as
@@ -93,3 +94,7 @@ def test_two_processes_on_loopback(tmp_path):
     c = rows["int8+qsgd4"]["sent_by_kind"]
     assert "reduce-scatter" not in c
     assert 0 < rows["int8+qsgd4"]["sent_bytes"] < rows["float32"]["sent_bytes"] / 3
+    # Replicated: float32 is one all-reduce of the gradient (2(P-1)/P = 1
+    # of its bytes per device); QSGD-4's buckets send under a third of it.
+    assert rows["dp-float32"]["sent_by_kind"]["all-reduce"] >= 4 * n
+    assert 0 < rows["dp-qsgd4"]["sent_bytes"] < rows["dp-float32"]["sent_bytes"] / 3
