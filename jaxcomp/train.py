@@ -97,10 +97,8 @@ class DataParallel:
         sharded training over its axes.
       require_all_reduce: refuse an update that does not all-reduce the
         gradients (replicated; False for what means it).
-      overlap: replicated, with ``tx`` starting with ``compress_gradients``
-        and no accumulation: each bucket is reduced from inside the backward
-        pass, as soon as its gradients exist (the same bits as after it);
-        False: after the backward pass.
+      overlap: send each bucket from inside the backward pass (replicated,
+        ``tx`` starting with ``compress_gradients``); "auto": but on the CPU.
     """
 
     def __init__(
@@ -116,7 +114,7 @@ class DataParallel:
         max_in_flight: int | str | None = "auto",
         require_all_reduce: bool = True,
         shard_params=None,
-        overlap: bool = True,
+        overlap: bool | str = "auto",
     ):
         if shard_params is None:
             axes = _check_arguments(loss_fn, tx, mesh, axis_name, accumulate_steps)
@@ -146,7 +144,7 @@ class DataParallel:
         self.accumulate_steps = int(accumulate_steps)
         self.donate = donate
         self.require_all_reduce = bool(require_all_reduce)
-        self.overlap = bool(overlap)
+        self.overlap = _overlap(overlap, mesh)
         self._axes = axes
         self._data_spec = P(axes if len(axes) > 1 else axes[0])
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
@@ -1115,6 +1113,22 @@ def _average_mutated(rest, mutated: list, axes) -> list:
     leaves = jax.tree.leaves(rest)
     mutated = mutated or [False] * len(leaves)  # a pytree of parameters: no such variables
     return [average(x) if m else None for x, m in zip(leaves, mutated, strict=True)]
+
+
+def _overlap(overlap, mesh: Mesh) -> bool:
+    """``overlap`` checked, with "auto" resolved per platform: on GPUs and
+    TPUs, whose collectives run asynchronously beside the backward pass;
+    not on the CPU, whose executor runs the backward pass's matrix products
+    beside a collective for little of a step, so that the ordering of the
+    buckets costs more than it hides (docs/benchmarks.md, "Communication in
+    the backward pass")."""
+    if isinstance(overlap, str) and overlap == "auto":
+        return mesh.devices.flat[0].platform != "cpu"
+    if not isinstance(overlap, bool):
+        raise ValueError(
+            f'jc.data_parallel: overlap must be True, False or "auto", got {overlap!r}'
+        )
+    return overlap
 
 
 def _in_flight_bound(max_in_flight, mesh: Mesh, num_devices: int) -> int | None:

@@ -96,7 +96,11 @@ def main() -> None:
             losses.append(float(loss))
         return params, opt_state, losses
 
-    _, step, params0, state0 = nnx_main.build(config, "qsgd:bits=4", mesh, donate=False)
+    # Each bucket sent from inside the backward pass: the hand-written step
+    # below sends them after it, and the two must agree bit for bit.
+    _, step, params0, state0 = nnx_main.build(
+        config, "qsgd:bits=4", mesh, donate=False, overlap=True
+    )
     params, opt_state, losses = run(step, params0, state0, 0, STEPS)
 
     # The hand-written shard_map step (docs/training-loop.md).

@@ -1,7 +1,8 @@
-"""jc.data_parallel's replicated step reduces each bucket from inside the
-backward pass (jaxcomp/optax/_overlap.py): what the compiled step's
-collectives wait for, read from its unoptimized HLO; the same bits as the
-post-backward step; error feedback's conservation over 1,000 steps."""
+"""jc.data_parallel's replicated step with overlap=True (the default off
+the CPU) reduces each bucket from inside the backward pass
+(jaxcomp/optax/_overlap.py): what the compiled step's collectives wait
+for, read from its unoptimized HLO; the same bits as the post-backward
+step; error feedback's conservation over 1,000 steps; "auto" on a CPU mesh."""
 
 import re
 
@@ -140,7 +141,7 @@ def test_the_first_bucket_is_sent_before_the_backward_pass_ends():
     mesh = auto_mesh()
     tx = optax.chain(jc.optax.compress_gradients("qsgd:bits=4", "data"), optax.sgd(0.1))
     params, batch = _mlp(), _batch()
-    first, _ = _gradient_waits(jc.data_parallel(_mlp_loss, tx, mesh), params, batch)
+    first, _ = _gradient_waits(jc.data_parallel(_mlp_loss, tx, mesh, overlap=True), params, batch)
     assert first <= 0.70 and first == pytest.approx(9 / 17)
     after, _ = _gradient_waits(jc.data_parallel(_mlp_loss, tx, mesh, overlap=False), params, batch)
     assert after == pytest.approx(15 / 17)
@@ -162,7 +163,8 @@ def test_buckets_are_sent_in_the_order_the_backward_pass_completes_them():
 
     params = {n: p["w"] for n, p in zip(names, _mlp(width=64), strict=True)}
     tx = optax.chain(jc.optax.compress_gradients("int8", "data", fusion_bytes=1), optax.sgd(0.1))
-    first, last = _gradient_waits(jc.data_parallel(loss, tx, mesh), params, _batch(64))
+    step = jc.data_parallel(loss, tx, mesh, overlap=True)
+    first, last = _gradient_waits(step, params, _batch(64))
     per_leaf = 7 / 17  # the forward pass and the last layer's weight gradient
     assert first == pytest.approx(per_leaf) and last == 1.0
 
@@ -291,7 +293,7 @@ def test_error_feedback_conserves_the_gradient_sum_over_1000_steps():
         ),
         optax.sgd(1.0),
     )
-    step = jc.data_parallel(loss, tx, mesh)
+    step = jc.data_parallel(loss, tx, mesh, overlap=True)
     p0 = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     params, state = step.init(p0)
     for t in range(steps):
@@ -302,3 +304,14 @@ def test_error_feedback_conserves_the_gradient_sum_over_1000_steps():
         total = total + np.asarray(residuals[k], np.float64).sum(0)
         want = grads[k].astype(np.float64).sum((0, 1))
         assert np.abs(total - want).max() <= 1e-5 * np.abs(want).max(), k
+
+
+def test_auto_is_after_the_backward_pass_on_the_cpu():
+    """On a CPU mesh "auto" sends the buckets after the backward pass (the
+    step's HLO says so), and a bad value is refused."""
+    mesh = auto_mesh()
+    tx = optax.chain(jc.optax.compress_gradients("qsgd:bits=4", "data"), optax.sgd(0.1))
+    first, _ = _gradient_waits(jc.data_parallel(_mlp_loss, tx, mesh), _mlp(), _batch())
+    assert first == pytest.approx(15 / 17)
+    with pytest.raises(ValueError, match="overlap must be True, False or"):
+        jc.data_parallel(_mlp_loss, tx, mesh, overlap="yes")

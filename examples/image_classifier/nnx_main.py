@@ -98,14 +98,16 @@ def batches(config: train.Config, start: int = 0):
         step += 1
 
 
-def build(config: train.Config, codec: str, mesh=None, *, donate: bool = True):
+def build(config: train.Config, codec: str, mesh=None, *, donate: bool = True, overlap="auto"):
     """(model, step, params, opt_state): the NNX model of ``config.seed``,
-    the ``jc.data_parallel`` step, and its initial parameters and state."""
+    the ``jc.data_parallel`` step (``overlap`` passed on), and its initial
+    parameters and state."""
     mesh = (
         mesh if mesh is not None else common.make_mesh(config.num_devices, config.global_batch_size)
     )
     model = CNN(tuple(config.features), config.hidden, rngs=nnx.Rngs(config.seed))
-    step = jc.data_parallel(loss_fn, make_tx(config, codec), mesh, has_aux=True, donate=donate)
+    tx = make_tx(config, codec)
+    step = jc.data_parallel(loss_fn, tx, mesh, has_aux=True, donate=donate, overlap=overlap)
     params, opt_state = step.init(model)
     return model, step, params, opt_state
 
