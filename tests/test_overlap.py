@@ -315,3 +315,28 @@ def test_auto_is_after_the_backward_pass_on_the_cpu():
     assert first == pytest.approx(15 / 17)
     with pytest.raises(ValueError, match="overlap must be True, False or"):
         jc.data_parallel(_mlp_loss, tx, mesh, overlap="yes")
+
+
+def test_the_sharded_steps_gathers_wait_for_no_layer():
+    """The sharded step of an unrolled model (int8 gathers, QSGD-4
+    reduce-scatters): every layer's all-gather depends on none of the
+    step's matrix products, so layer i + 1's gather may run during layer
+    i's compute; each reduce-scatter's all-to-all waits only for the
+    layers after its own in the backward pass."""
+    mesh = auto_mesh()
+
+    def loss(p, batch):
+        x, y = batch
+        for i in range(4):
+            x = jnp.tanh(x @ jc.fsdp.gather(p[f"l{i}"]))
+        return jnp.mean((x - y) ** 2)
+
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {f"l{i}": jax.random.normal(k, (256, 256)) / 16 for i, k in enumerate(keys)}
+    cfg = jc.fsdp.ShardParams("data", gradients="qsgd:bits=4", parameters="int8")
+    step = jc.data_parallel(loss, optax.sgd(0.1), mesh, shard_params=cfg)
+    hlo = step.lower(*step.init(params), _batch()).compiler_ir("hlo").as_hlo_text()
+    dots, deps = collective_dependencies(hlo)
+    assert dots == 4 + 4 + 3  # forward, weight gradients, input gradients
+    assert sorted(n for n, op, _ in deps if op == "all-gather") == [0, 0, 0, 0]
+    assert sorted(n for n, op, _ in deps if op == "all-to-all") == [5, 6, 7, 8]
