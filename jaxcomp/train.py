@@ -145,6 +145,7 @@ class DataParallel:
         self.donate = donate
         self.require_all_reduce = bool(require_all_reduce)
         self.overlap = _overlap(overlap, mesh)
+        self._overlap_asked = overlap is True  # then a step that cannot overlap raises
         self._axes = axes
         self._data_spec = P(axes if len(axes) > 1 else axes[0])
         self.batch_sharding = NamedSharding(mesh, self._data_spec)
@@ -708,13 +709,26 @@ class DataParallel:
         reduction the backward pass runs, and ``tx``'s reducer for it (the
         first transformation of the chain), or None (after the backward
         pass)."""
-        if not self.overlap or self._per_replica or self.accumulate_steps > 1:
+        if not self.overlap:
             return None
         made = jax.eval_shape(self.tx.init, params)
         at = _first_compress(made)
-        if at is None or _first_compress(opt_state) != at:  # a state of another chain
-            return None
-        return at, _at(made, at).comm.reducer
+        why = None
+        if self._per_replica or self.accumulate_steps > 1:
+            why = "jc.optax.diloco and accumulate_steps > 1 reduce once, after the microsteps"
+        elif at is None:
+            why = "tx does not start with jc.optax.compress_gradients (as optax.chain's first)"
+        elif _first_compress(opt_state) != at:
+            why = "the state was not made by tx.init"
+        if why is None:
+            return at, _at(made, at).comm.reducer
+        if self._overlap_asked:
+            raise ValueError(
+                f"jc.data_parallel: overlap=True, but the buckets cannot be sent from inside "
+                f"the backward pass: {why}. Leave overlap at its default ('auto') to reduce "
+                "after the backward pass where it cannot."
+            )
+        return None
 
     def _first_use(self, params, rest, batch, key) -> list:
         """Per parameter leaf, where the loss first uses it (see
@@ -898,7 +912,6 @@ _NOT_A_USE = frozenset(
         "expand_dims",
         "broadcast_in_dim",
         "copy",
-        "copy_p",
     }
 )
 

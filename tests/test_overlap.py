@@ -317,6 +317,35 @@ def test_auto_is_after_the_backward_pass_on_the_cpu():
         jc.data_parallel(_mlp_loss, tx, mesh, overlap="yes")
 
 
+@pytest.mark.parametrize(
+    "case, why",
+    [
+        ("uncompressed_mean", "does not start with jc.optax.compress_gradients"),
+        ("accumulate", "accumulate_steps > 1"),
+        ("clip_first", "does not start with jc.optax.compress_gradients"),
+    ],
+)
+def test_overlap_true_where_it_cannot_apply_raises(case, why):
+    """overlap=True asked for a step that reduces after the backward pass
+    (another all-reduce first, accumulation, a per-device clip before it)
+    raises, saying why; "auto" runs the same step after the backward pass."""
+    mesh = auto_mesh()
+    compress = jc.optax.compress_gradients("int8", "data")
+    first = {
+        "uncompressed_mean": jc.optax.uncompressed_mean("data"),
+        "accumulate": compress,
+        "clip_first": optax.chain(optax.clip(1.0), compress),
+    }[case]
+    tx = optax.chain(first, optax.sgd(0.1))
+    kw = {"accumulate_steps": 2} if case == "accumulate" else {}
+    params, batch = _mlp(layers=2, width=64), _batch(64)
+    step = jc.data_parallel(_mlp_loss, tx, mesh, overlap=True, **kw)
+    with pytest.raises(ValueError, match=why):
+        step(*step.init(params), batch)
+    auto = jc.data_parallel(_mlp_loss, tx, mesh, **kw)
+    auto(*auto.init(params), batch)
+
+
 def test_the_sharded_steps_gathers_wait_for_no_layer():
     """The sharded step of an unrolled model (int8 gathers, QSGD-4
     reduce-scatters): every layer's all-gather depends on none of the
