@@ -62,24 +62,27 @@ def _train(tx, mesh, axis, params, opt_state, steps, t0=0):
     return params, opt_state
 
 
-def owed(opt_state, sizes, algorithm) -> dict:
+def owed(opt_state, sizes, algorithm, params=PARAMS, layers=None) -> dict:
     """Per leaf (float64): sum_d residual_d / P + the server residuals at
-    their positions (units of the mean)."""
+    their positions (units of the mean; a stacked bucket's row holds its
+    layers' side by side)."""
     cs = opt_state[0]
-    plan = jc.optax.make_plan(CODEC, PARAMS, **KW)
-    keys = sorted(PARAMS)
-    rows = np.asarray(cs.residuals["a"]).shape[0]
+    plan = jc.optax.make_plan(CODEC, params, **KW, layers=layers)
+    keys = sorted(params)
+    rows = np.asarray(cs.residuals[keys[0]]).shape[0]
     out = {k: np.asarray(cs.residuals[k], np.float64).sum(0) / rows for k in keys}
     for b, s in zip(plan.buckets, cs.server_residuals, strict=True):
         pos = jc.collectives.state_positions(b.codec, b.size, b.dtype, sizes, algorithm)
         if not pos.shape[1]:
             continue
-        s = np.asarray(s, np.float64)
-        fused = np.zeros(b.size)
-        np.add.at(fused, pos[pos >= 0], s[pos >= 0])
-        at = 0
+        s = np.asarray(s, np.float64).reshape(rows, b.count, -1)
+        fused = np.zeros((b.count, b.size))
+        for layer in range(b.count):
+            np.add.at(fused[layer], pos[pos >= 0], s[:, layer][pos >= 0])
+        fused, at = fused.reshape(-1), 0
         for i, n in zip(b.leaves, b.sizes, strict=True):
-            out[keys[i]] += fused[at : at + n].reshape(PARAMS[keys[i]].shape)
+            n *= b.count
+            out[keys[i]] += fused[at : at + n].reshape(params[keys[i]].shape)
             at += n
     return out
 
@@ -251,3 +254,35 @@ def test_the_steps_own_relayout_is_jc_optax_relayouts():
     want = jc.optax.relayout(jax.device_get(opt_state), tx, PARAMS, mesh4, "data")
     for a, b in zip(jax.tree.leaves(moved), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_stacked_leaf_moves_to_four_devices_layer_by_layer():
+    """A stack of 3 layers (``compress_gradients(layers=)``: a stacked
+    bucket, its server residual a row of every layer's), saved on 8
+    devices after 3 steps, relayout onto 4: what it owes is kept."""
+    params = {"s": jnp.zeros((3, 30, 30)), "a": jnp.zeros((40, 30))}
+
+    def loss(p, batch):
+        x, y = batch
+
+        def layer(h, w):
+            return jnp.tanh(h @ jc.fsdp.gather(w)), None
+
+        h, _ = jax.lax.scan(layer, x @ p["a"], p["s"])
+        return jnp.mean((h - y) ** 2)
+
+    layers = lambda path, _: jax.tree_util.keystr(path) == "['s']"  # noqa: E731
+    tx = optax.chain(
+        jc.optax.compress_gradients(CODEC, "data", algorithm="two_phase", layers=layers, **KW),
+        optax.sgd(0.5),
+    )
+    mesh8 = _mesh((8,), ("data",))
+    step = jc.data_parallel(loss, tx, mesh8, donate=False)
+    p, state = step.init({"s": params["s"] + 0.1, "a": params["a"] + 0.01})
+    for t in range(3):
+        p, state, _ = step(p, state, _batch(t, 8))
+    assert [b.layers for b in state[0].comm.plan.buckets] == [0, 3]
+    before = owed(state, 8, "two_phase", params, layers)
+    assert np.abs(before["s"]).max() > 0 and np.asarray(state[0].server_residuals[1]).any()
+    on4 = jc.optax.relayout(state, tx, params, _mesh((4,), ("data",)), "data")
+    assert_kept(before, owed(on4, 4, "two_phase", params, layers))

@@ -39,18 +39,28 @@ class Bucket:
         leaves sent uncompressed (see :attr:`Plan.groups`).
       dtype: the leaves' dtype (the buffer is sent in it).
       leaves: indices (in tree-flatten order) of the leaves, in buffer order.
-      sizes: the number of elements of each leaf.
+      sizes: the number of elements of each leaf (of one layer's slice, for
+        a stacked bucket).
+      layers: 0, or for a stacked bucket (``compress_gradients(layers=)``:
+        one leaf whose leading axis is a stack of layers) the number of
+        layers: the bucket is one layer's slice, reduced once per layer.
     """
 
     codec: Codec | None
     dtype: np.dtype
     leaves: tuple[int, ...]
     sizes: tuple[int, ...]
+    layers: int = 0
 
     @property
     def size(self) -> int:
-        """The number of elements of the fused buffer."""
+        """The number of elements of the fused buffer (one layer's)."""
         return int(sum(self.sizes))
+
+    @property
+    def count(self) -> int:
+        """How many times a step reduces the buffer: once per layer."""
+        return max(1, self.layers)
 
     @property
     def carries_residual(self) -> bool:
@@ -224,7 +234,9 @@ def _fuse(leaves: list[int], sizes: list[int], itemsize: int, fusion_bytes: int)
     return [b[::-1] for b in reversed(buckets)]
 
 
-def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int) -> Plan:
+def make_plan(
+    policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int, layers=None
+) -> Plan:
     """Builds the plan for gradients shaped like ``tree``.
 
     Args:
@@ -234,10 +246,16 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
       tree: the gradients, or their ``jax.ShapeDtypeStruct``s.
       min_compress_size: leaves with fewer elements go uncompressed.
       fusion_bytes: the largest fused bucket, in gradient bytes.
+      layers: ``layers(path, leaf) -> bool``, or None: the compressed
+        leaves it names are stacks of layers (a model scanned over them),
+        each a stacked bucket of its own (:attr:`Bucket.layers`), one
+        layer's slice fused, sized and checked against
+        ``min_compress_size``.
     Returns:
       The :class:`Plan`.
     Raises:
-      ValueError: a policy pytree of another structure.
+      ValueError: a policy pytree of another structure; ``layers`` naming a
+        leaf of no dimension.
       TypeError: a policy returning something other than a codec or None;
         an integer gradient; a codec for a dtype it cannot carry.
     """
@@ -251,7 +269,22 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
     compressed: dict[tuple[Codec, np.dtype], list[int]] = {}
     exact: dict[np.dtype, list[int]] = {}
     passthrough: list[int] = []
+    stacked: list[Bucket] = []
     for i, codec in enumerate(codecs):
+        path, leaf = leaves_with_path[i]
+        if layers is not None and layers(path, leaf):
+            if not shapes[i]:
+                raise ValueError(
+                    f"{_WHO}: layers= names {paths[i]}, a scalar; a stacked leaf has a "
+                    "leading axis of layers (the axis a scan over layers slices)"
+                )
+            per_layer = sizes[i] // max(1, shapes[i][0])
+            if (
+                shapes[i][0]
+                and _route(paths[i], codec, per_layer, dtypes[i], min_compress_size) == "compressed"
+            ):
+                stacked.append(Bucket(codec, dtypes[i], (i,), (per_layer,), shapes[i][0]))
+                continue
         route = _route(paths[i], codec, sizes[i], dtypes[i], min_compress_size)
         if route == "passthrough":
             passthrough.append(i)
@@ -263,7 +296,7 @@ def make_plan(policy: Policy, tree, *, min_compress_size: int, fusion_bytes: int
         Bucket(codec, dtype, tuple(members), tuple(sizes[j] for j in members))
         for (codec, dtype), leaves in compressed.items()
         for members in _fuse(leaves, sizes, dtype.itemsize, fusion_bytes)
-    ]
+    ] + stacked
     buckets.sort(key=lambda b: b.leaves[0])
     return Plan(
         treedef,

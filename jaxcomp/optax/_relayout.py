@@ -257,6 +257,10 @@ class _Walker:
             pos = state_positions(b.codec, b.size, b.dtype, sizes, algorithm)
             if not pos.shape[1]:
                 continue  # none kept: a placeholder row
+            if b.layers:  # one row per layer, side by side; each layer's values after the last's
+                shift = b.size * np.arange(b.layers)[:, None]
+                pos = np.where(pos[:, None, :] >= 0, pos[:, None, :] + shift, -1)
+                pos = pos.reshape(pos.shape[0], -1)
             if s.shape != pos.shape:
                 raise ValueError(
                     f"{_WHO}: the server residual of the bucket of {b.codec!r} ({b.size} "
@@ -265,10 +269,11 @@ class _Walker:
                     "(slow, fast) sizes of a two-level mesh), and build tx as it was built "
                     "when the state was saved"
                 )
-            fused = np.zeros(b.size)
+            fused = np.zeros(b.size * b.count)
             np.add.at(fused, pos[pos >= 0], s[pos >= 0])
             at = 0
             for i, n in zip(b.leaves, b.sizes, strict=True):
+                n *= b.count
                 part = fused[at : at + n].reshape(plan.shapes[i])
                 out[i] = out.get(i, 0.0) + part
                 at += n

@@ -330,9 +330,12 @@ def write_residuals(plan: Plan, state_residuals, new: list, ok) -> Any:
 # The server residuals: one [1, m] row per compressed bucket per device
 # ---------------------------------------------------------------------------
 def server_sizes(plan: Plan, sizes: tuple[int, ...], algorithm: str) -> tuple[int, ...]:
-    """The length ``m`` of every compressed bucket's server residual."""
+    """The length ``m`` of every compressed bucket's server residual (a
+    stacked bucket's: its layers' rows, one after the other)."""
     axis_sizes = sizes[0] if len(sizes) == 1 else sizes
-    return tuple(state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets)
+    return tuple(
+        b.count * state_size(b.codec, b.size, b.dtype, axis_sizes, algorithm) for b in plan.buckets
+    )
 
 
 # A bucket whose algorithm keeps no server residual on the bound axes (one

@@ -131,25 +131,47 @@ def reduce_bucket(
     """Bucket ``j``'s mean of ``grad + residual``: ``(value, kept, server)``,
     compressed with the bucket's codec, or exactly in a warm-up step; its
     collectives wait for ``previous`` (every device issues the buckets in one
-    order, see ``after``)."""
+    order, see ``after``). A stacked bucket (:attr:`Bucket.layers`) is
+    reduced one layer after the other, as :func:`reduce_layer` does."""
     b = plan.buckets[j]
-    servers = None if server is None else (server,)
-    if warmup is None:
-        compressed = functools.partial(
-            _compressed_mean,
-            (b,),
-            axes=axes,
-            key=key,
-            algorithm=algorithm,
-            first=j,
-            previous=previous,
+    if not b.layers:
+        return _reduce_one(b, j, pk, server, axes, key, algorithm, warmup, previous)
+
+    def one_layer(_, xs):
+        layer, grad, residual, server = xs
+        out = reduce_layer(
+            plan, j, Packed(grad, residual), server, layer_key(key, layer), axes, algorithm, warmup
         )
-        out = compressed(((pk,), servers))
+        return None, out
+
+    by_layer = functools.partial(jnp.reshape, shape=(b.layers, -1))
+    pk = after(pk, previous)
+    xs = (jnp.arange(b.layers), *jax.tree.map(by_layer, (pk.grad, pk.residual, server)))
+    _, out = lax.scan(one_layer, None, xs)
+    return jax.tree.map(functools.partial(jnp.reshape, shape=(-1,)), out)
+
+
+def layer_key(key, layer):
+    """The key of one layer of a stacked bucket."""
+    return jax.random.fold_in(key, layer)
+
+
+def reduce_layer(plan: Plan, j: int, pk: Packed, server, key, axes, algorithm, warmup):
+    """One layer's slice of stacked bucket ``j``: ``(value, kept, server)``
+    of ``pk`` (that layer's buffers) and ``server`` (its server residual),
+    drawing from ``key`` (:func:`layer_key` of the step's key)."""
+    return _reduce_one(plan.buckets[j], j, pk, server, axes, key, algorithm, warmup, None)
+
+
+def _reduce_one(b: Bucket, j: int, pk: Packed, server, axes, key, algorithm, warmup, previous):
+    servers = None if server is None else (server,)
+    compressed = functools.partial(
+        _compressed_mean, (b,), axes=axes, key=key, algorithm=algorithm, first=j
+    )
+    if warmup is None:
+        out = compressed(((pk,), servers), previous=previous)
     else:  # both branches' collectives after the previous bucket's
         pk = after(pk, previous)
-        compressed = functools.partial(
-            _compressed_mean, (b,), axes=axes, key=key, algorithm=algorithm, first=j
-        )
         exact = functools.partial(_exact_mean, (b,), axes=axes)
         out = lax.cond(warmup, exact, compressed, ((pk,), servers))
     (value,), (left,), servers = out
@@ -246,6 +268,7 @@ class Unpacked(NamedTuple):
 def _split(buffer, group: Bucket, plan: Plan) -> list[tuple[int, jax.Array]]:
     out, offset = [], 0
     for i, n in zip(group.leaves, group.sizes, strict=True):
+        n *= group.count
         out.append((i, buffer[offset : offset + n].reshape(plan.shapes[i])))
         offset += n
     return out

@@ -127,9 +127,11 @@ def accounting(plan: Plan, sizes: tuple[int, ...], algorithm: str):
     p = int(np.prod(sizes))
     exact_payload = sum(g.size * g.dtype.itemsize for g in plan.groups if g.codec is None)
     exact_wire = uncompressed_send_nbytes(exact_payload, p)
-    comp_payload = sum(b.codec.wire_nbytes((b.size,), b.dtype) for b in plan.buckets)
-    comp_wire = sum(send_nbytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets)
-    raw_payload = sum(b.size * b.dtype.itemsize for b in plan.buckets)
+    comp_payload = sum(b.count * b.codec.wire_nbytes((b.size,), b.dtype) for b in plan.buckets)
+    comp_wire = sum(
+        b.count * send_nbytes(b.codec, b.size, b.dtype, sizes, algorithm) for b in plan.buckets
+    )
+    raw_payload = sum(b.count * b.size * b.dtype.itemsize for b in plan.buckets)
     raw_wire = uncompressed_send_nbytes(raw_payload, p)
     return (
         _stats(comp_payload + exact_payload, comp_wire + exact_wire, plan.num_elements, p),

@@ -214,7 +214,9 @@ def initial_servers(plan: Plan, config: CommConfig) -> tuple:
     return zero_servers(plan, axis_sizes_or_none(config.axis_name), config.algorithm)
 
 
-def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransformation:
+def compressed_mean(
+    policy: Policy, config: CommConfig, layers: Callable | None = None
+) -> optax.GradientTransformation:
     """``compress_gradients`` for a codec policy and a validated config."""
 
     def plan_for(tree) -> Plan:
@@ -223,6 +225,7 @@ def compressed_mean(policy: Policy, config: CommConfig) -> optax.GradientTransfo
             tree,
             min_compress_size=config.min_compress_size,
             fusion_bytes=config.fusion_bytes,
+            layers=layers,
         )
 
     reducer = InBackward(plan_for, config)
@@ -291,6 +294,7 @@ def compress_gradients(
     residual_norm: bool = False,
     on_nonfinite: str = "pass",
     seed: int = 0,
+    layers: Callable[[tuple, Any], bool] | None = None,
 ) -> optax.GradientTransformation:
     """Compressed mean of the gradients over ``axis_name``, with error feedback.
 
@@ -317,6 +321,10 @@ def compress_gradients(
       residual_norm: also report the residuals' L2 norm (a scalar all-reduce a step).
       on_nonfinite: what a non-finite step returns: ``"pass"`` (its mean) or ``"skip"``.
       seed: seeds the PRNG key of stochastic codecs.
+      layers: ``layers(path, leaf) -> bool``: the leaves that are stacks of
+        layers (a model scanned over them), each compressed one layer at a
+        time; in ``jc.data_parallel``'s overlapped step each layer's is
+        sent from inside the backward scan (``jc.fsdp.gather`` in the layer).
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`CompressState`.
     """
@@ -333,4 +341,4 @@ def compress_gradients(
         on_nonfinite=on_nonfinite,
         seed=seed,
     )
-    return compressed_mean(resolve_policy(codec, config.who), config)
+    return compressed_mean(resolve_policy(codec, config.who), config, layers)
