@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcomp import collectives
 from jaxcomp._axes import names_of
 from jaxcomp.codecs.base import Codec, as_codec
-from jaxcomp.optax import OneBitAdamState, all_reduce_states
+from jaxcomp.optax import LayerStack, OneBitAdamState, all_reduce_states
 
 __all__ = [
     "Shard",
@@ -173,13 +173,31 @@ class Shard:
 def gather(x):
     """The whole parameter of a :class:`Shard` (one layer's, inside a scan
     over a stacked leaf): all-gathered, and in the backward pass its
-    gradient reduce-scattered with error feedback. Anything else is
-    returned as it is, so a loss works with gathered and sharded leaves
-    alike. Gather each handle once per step, and wrap the layer in
-    ``jax.checkpoint`` so that the backward pass gathers again instead of
-    keeping every layer's parameters."""
-    if not isinstance(x, Shard):
+    gradient reduce-scattered with error feedback. One layer's slice of a
+    :class:`jaxcomp.optax.LayerStack` (the replicated step's stacked
+    leaves, ``compress_gradients(layers=)``) is that layer's parameter,
+    its gradient averaged in the backward pass. ``x`` may be a pytree of
+    them (a layer's parameters: their gradients then go one after the
+    other). Anything else is returned as it is, so a loss works with
+    gathered and sharded leaves alike. Gather each handle once per step,
+    and wrap the layer in ``jax.checkpoint`` so that the backward pass
+    gathers again instead of keeping every layer's parameters."""
+    handles = jax.tree.leaves(x, is_leaf=_is_handle)
+    if not any(_is_handle(h) for h in handles):
         return x
+    leaves, treedef = jax.tree.flatten(x, is_leaf=_is_handle)
+    out = [_gather_one(v) if isinstance(v, Shard) else v for v in leaves]
+    at = [i for i, v in enumerate(leaves) if isinstance(v, LayerStack)]
+    for i, v in zip(at, LayerStack.gather([leaves[i] for i in at]) if at else (), strict=True):
+        out[i] = v
+    return jax.tree.unflatten(treedef, out)
+
+
+def _is_handle(x) -> bool:
+    return isinstance(x, (Shard, LayerStack))
+
+
+def _gather_one(x: Shard):
     if jnp.ndim(x.key) != 0:
         raise ValueError(
             f"jc.fsdp.gather: {x.spec.path} is a ShardParams(layers=...) leaf, gathered here "

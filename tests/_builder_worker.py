@@ -10,7 +10,9 @@ handing in its rows of every global batch: STEPS steps straight through;
 the same steps through a shard_map step written by hand (bit for bit
 equal); and STEPS // 2 steps, an orbax checkpoint (every process writing
 its shards), a restore into fresh arrays and the rest (bit for bit equal to
-the straight run). Then jc.optax.diloco through jc.data_parallel (a linear
+the straight run). Then a model scanned over its layers, sent from inside
+the reverse scan, against the post-backward step (bit for bit); and
+jc.optax.diloco through jc.data_parallel (a linear
 model, int8 pseudo-gradients every 2 steps: the parameters one copy per
 device, across the processes). Saves the losses, the final parameters and
 DiLoCo's anchor.
@@ -55,6 +57,40 @@ def diloco_anchor(mesh, local) -> np.ndarray:
         batch = (x, np.tanh(x[:, :2]))
         params, state, _ = step(params, state, step.shard_batch(tuple(map(local, batch))))
     return np.asarray(state.anchor["w"].addressable_shards[0].data)
+
+
+def scanned_model_agrees(mesh, local) -> None:
+    """A model scanned over its layers, each layer's gradient sent from
+    inside the reverse scan (``compress_gradients(layers=)``), equals the
+    post-backward step bit for bit after 3 steps, each process handing in
+    ``local(rows)`` of every global batch."""
+    import jax.numpy as jnp
+    import optax
+
+    import jaxcomp as jc
+
+    def loss(p, batch):
+        x, y = batch
+
+        def layer(h, w):
+            return jnp.tanh(h @ jc.fsdp.gather(w)), None
+
+        return jnp.mean((jax.lax.scan(layer, x, p["layers"])[0] - y) ** 2)
+
+    params = {"layers": jax.random.normal(jax.random.key(0), (3, 32, 32)) / 6}
+    runs = []
+    for overlap in (True, False):
+        tx = optax.chain(
+            jc.optax.compress_gradients("qsgd:bits=4", "data", layers=lambda *_: True),
+            optax.sgd(0.1),
+        )
+        step = jc.data_parallel(loss, tx, mesh, overlap=overlap)
+        p, s = step.init(params)
+        for i in range(3):
+            x = np.random.default_rng(i).normal(size=(4 * mesh.size, 32)).astype(np.float32)
+            p, s, _ = step(p, s, step.shard_batch(tuple(map(local, (x, np.tanh(x))))))
+        runs.append((p, s))
+    assert_same(*runs[0], *runs[1])
 
 
 def main() -> None:
@@ -156,7 +192,9 @@ def main() -> None:
     assert first + second == losses, (first + second, losses)
     assert_same(p, s, params, opt_state)
 
-    anchor = diloco_anchor(mesh, lambda a: a[pid * len(a) // num : (pid + 1) * len(a) // num])
+    rows_of = lambda a: a[pid * len(a) // num : (pid + 1) * len(a) // num]  # noqa: E731
+    scanned_model_agrees(mesh, rows_of)
+    anchor = diloco_anchor(mesh, rows_of)
     kernel = np.asarray(params["conv1"]["kernel"].addressable_shards[0].data)
     np.savez(out, losses=np.asarray(losses), kernel=kernel, anchor=anchor)
     jax.distributed.shutdown()

@@ -2,7 +2,9 @@
 the CPU) reduces each bucket from inside the backward pass
 (jaxcomp/optax/_overlap.py): what the compiled step's collectives wait
 for, read from its unoptimized HLO; the same bits as the post-backward
-step; error feedback's conservation over 1,000 steps; "auto" on a CPU mesh."""
+step; error feedback's conservation over 1,000 steps; "auto" on a CPU mesh;
+a model scanned over its layers, each layer sent from inside the reverse
+scan (``compress_gradients(layers=)``)."""
 
 import re
 
@@ -200,34 +202,40 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_overlapped_and_post_backward_steps_give_the_same_bits(case):
-    """Five steps of each codec configuration (fused buckets of two dtypes,
-    exact small leaves, warm-up steps that branch): parameters and every
-    state leaf equal bit for bit."""
+def _assert_same_bits(loss, params, codec, kw):
+    """Five steps overlapped and five after the backward pass, of
+    ``compress_gradients(codec, "data", **kw)`` then SGD with
+    momentum: parameters and every state leaf equal bit for bit. Returns
+    the overlapped run's ``(params, state)``."""
     mesh = auto_mesh()
-    kw = dict(CASES[case])
-    codec = kw.pop("codec")
     x = jax.random.normal(jax.random.key(3), (4 * N_DEV, 48))
     y = jax.random.normal(jax.random.key(4), (4 * N_DEV, 16))
 
     def run(overlap):
         tx = optax.chain(
-            jc.optax.compress_gradients(
-                codec, "data", fusion_bytes=8192, min_compress_size=256, **kw
-            ),
-            optax.sgd(0.05, momentum=0.9),
+            jc.optax.compress_gradients(codec, "data", **kw), optax.sgd(0.05, momentum=0.9)
         )
-        step = jc.data_parallel(_mixed_loss, tx, mesh, overlap=overlap)
-        params, state = step.init(_mixed())
+        step = jc.data_parallel(loss, tx, mesh, overlap=overlap)
+        p, state = step.init(params)
         for i in range(5):
-            params, state, _ = step(params, state, (x + i, y))
-        return params, state
+            p, state, _ = step(p, state, (x + i, y))
+        return p, state
 
     got, want = run(True), run(False)
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return got
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_overlapped_and_post_backward_steps_give_the_same_bits(case):
+    """Each codec configuration (fused buckets of two dtypes, exact small
+    leaves, warm-up steps that branch)."""
+    kw = dict(CASES[case])
+    codec = kw.pop("codec")
+    kw.update(fusion_bytes=8192, min_compress_size=256)
+    _assert_same_bits(_mixed_loss, _mixed(), codec, kw)
 
 
 def test_an_nnx_model_with_aux_and_a_key_gives_the_same_bits():
@@ -275,9 +283,10 @@ def test_error_feedback_conserves_the_gradient_sum_over_1000_steps():
     """A loss linear in the parameters, its gradient this device's batch
     row: after 1,000 overlapped steps of SGD(1), the applied means times the
     devices plus every device's residual equal the sum of the gradients
-    (the all-gather algorithm keeps no server residual)."""
+    (the all-gather algorithm keeps no server residual); "s" is a stack of
+    3 layers, scanned, each sent from inside the reverse scan."""
     mesh = auto_mesh()
-    shapes = {"a": (40, 50), "b": (30,), "c": (2000,)}
+    shapes = {"a": (40, 50), "b": (30,), "c": (2000,), "s": (3, 400)}
     rng = np.random.default_rng(0)
     steps = 1000
     grads = {
@@ -285,17 +294,28 @@ def test_error_feedback_conserves_the_gradient_sum_over_1000_steps():
     }
 
     def loss(params, batch):
-        return sum(jnp.sum(params[k] * batch[k][0]) for k in shapes)
+        flat = sum(jnp.sum(params[k] * batch[k][0]) for k in "abc")
+
+        def layer(total, xs):
+            w, g = xs
+            return total + jnp.sum(jc.fsdp.gather(w) * g), None
+
+        return jax.lax.scan(layer, flat, (params["s"], batch["s"][0]))[0]
 
     tx = optax.chain(
         jc.optax.compress_gradients(
-            "qsgd:bits=2", "data", algorithm="allgather", min_compress_size=100
+            "qsgd:bits=2",
+            "data",
+            algorithm="allgather",
+            min_compress_size=100,
+            layers=lambda path, _: jax.tree_util.keystr(path) == "['s']",
         ),
         optax.sgd(1.0),
     )
     step = jc.data_parallel(loss, tx, mesh, overlap=True)
     p0 = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     params, state = step.init(p0)
+    assert [b.layers for b in state[0].comm.plan.buckets] == [0, 3]  # a, c fused; s by layer
     for t in range(steps):
         params, state, _ = step(params, state, {k: g[t] for k, g in grads.items()})
     residuals = state[0].residuals
@@ -369,3 +389,125 @@ def test_the_sharded_steps_gathers_wait_for_no_layer():
     assert dots == 4 + 4 + 3  # forward, weight gradients, input gradients
     assert sorted(n for n, op, _ in deps if op == "all-gather") == [0, 0, 0, 0]
     assert sorted(n for n, op, _ in deps if op == "all-to-all") == [5, 6, 7, 8]
+
+
+# -- a model scanned over its layers ----------------------------------------
+
+
+def _scanned(layers=4, width=64, seed=0):
+    k = jax.random.split(jax.random.key(seed), 3)
+    return {
+        "inp": jax.random.normal(k[0], (48, width)) / 8,
+        "layers": {
+            "w": jax.random.normal(k[1], (layers, width, width)) / 8,
+            "b": jnp.zeros((layers, width)),
+        },
+        "out": jax.random.normal(k[2], (width, 16)) / 8,
+    }
+
+
+def _scanned_loss(p, batch):
+    x, y = batch
+    h = x @ p["inp"]
+
+    def layer(h, params):
+        q = jc.fsdp.gather(params)  # one layer's parameters, in one call
+        return jnp.tanh(h @ q["w"] + q["b"]), None
+
+    h, _ = jax.lax.scan(layer, h, p["layers"])
+    return jnp.mean((h @ p["out"] - y) ** 2)
+
+
+def _stacked(path, leaf):
+    return "layers" in jax.tree_util.keystr(path)
+
+
+def _scan_bodies(hlo: str) -> list[tuple[int, int]]:
+    """Per while loop of the module: ``(dots, collectives)`` in its body
+    and every computation the body calls."""
+    comps, _, _, _ = _computations(hlo)
+    out = []
+    for c in comps.values():
+        for op, _, called in c.values():
+            if op != "while":
+                continue
+            seen, stack = set(), list(called)
+            while stack:
+                name = stack.pop()
+                if name in seen or name not in comps:
+                    continue
+                seen.add(name)
+                stack += [x for _, _, cs in comps[name].values() for x in cs]
+            ops = [o for name in seen for o, _, _ in comps[name].values()]
+            out.append((ops.count("dot"), sum(o in _COLLECTIVES for o in ops)))
+    return out
+
+
+def test_a_scanned_model_sends_each_layer_from_inside_the_reverse_scan():
+    """QSGD-4 with error feedback, the layers' weights stacked and scanned
+    (``compress_gradients(layers=)``, ``jc.fsdp.gather`` in the layer):
+    overlapped, the gradient collectives are in the body of the loop that
+    computes the layers' gradients; after the backward pass, no loop with
+    a matrix product has a collective (the layers are sent by a loop of
+    their own, once the backward scan is done)."""
+    mesh = auto_mesh()
+    tx = optax.chain(
+        jc.optax.compress_gradients("qsgd:bits=4", "data", layers=_stacked, min_compress_size=256),
+        optax.sgd(0.1),
+    )
+    batch = _batch(48, seed=2)[0], _batch(16, seed=3)[1]
+
+    def bodies(overlap):
+        step = jc.data_parallel(_scanned_loss, tx, mesh, overlap=overlap)
+        hlo = step.lower(*step.init(_scanned()), batch).compiler_ir("hlo").as_hlo_text()
+        return _scan_bodies(hlo)
+
+    overlapped, after = bodies(True), bodies(False)
+    assert any(dots >= 2 and n >= 2 for dots, n in overlapped), overlapped
+    assert not any(dots and n for dots, n in after), after
+    assert any(n and not dots for dots, n in after), after  # the layer-by-layer reduction
+
+
+SCANNED_CASES = {
+    "qsgd4-two-level": dict(codec="qsgd:bits=4"),
+    "onebit-ring": dict(codec="onebit", algorithm="ring"),
+    "int8-no-feedback": dict(codec="int8", error_feedback=False),
+    "topk-warmup": dict(codec="topk:fraction=0.05", warmup_steps=2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SCANNED_CASES))
+def test_a_scanned_model_gives_the_post_backward_bits(case):
+    """The scanned model, each layer sent from inside the reverse scan,
+    against the post-backward step, which reduces the stacked buckets one
+    layer after the other."""
+    kw = dict(SCANNED_CASES[case])
+    codec = kw.pop("codec")
+    kw.update(layers=_stacked, min_compress_size=256)
+    _, state = _assert_same_bits(_scanned_loss, _scanned(), codec, kw)
+    plan = state[0].comm.plan
+    assert [b.layers for b in plan.buckets if b.layers] == [4]  # the weights; the biases whole
+
+
+def test_a_stack_gathered_whole_or_used_as_an_array_raises():
+    """A stacked leaf reaches the overlapped step's loss as a handle: used
+    whole (gathered outside the scan, or as an array) it raises, saying
+    to gather one layer inside the scan."""
+    mesh = auto_mesh()
+    tx = optax.chain(
+        jc.optax.compress_gradients("int8", "data", layers=_stacked, min_compress_size=256),
+        optax.sgd(0.1),
+    )
+    batch = (jnp.ones((2 * N_DEV, 48)), jnp.ones((2 * N_DEV, 16)))
+
+    def whole(p, batch):
+        w = jc.fsdp.gather(p["layers"]["w"])
+        return jnp.sum(w) + jnp.mean(batch[0] @ p["inp"])
+
+    def as_array(p, batch):
+        return jnp.sum(jnp.multiply(p["layers"]["w"], 2.0)) + jnp.mean(batch[0] @ p["inp"])
+
+    for loss, match in ((whole, "gather one layer at a time"), (as_array, "LayerStack")):
+        step = jc.data_parallel(loss, tx, mesh, overlap=True)
+        with pytest.raises(ValueError, match=match):
+            step(*step.init(_scanned()), batch)

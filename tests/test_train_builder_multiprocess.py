@@ -2,8 +2,10 @@
 collectives): the NNX digits CNN trained by 2 processes x 4 devices, each
 process handing in its rows of every global batch, its buckets sent from
 inside the backward pass (overlap=True), equals the hand-written
-post-backward shard_map step bit for bit, resumes from a mid-run orbax checkpoint bit for
-bit (tests/_builder_worker.py asserts both), and every process ends with the
+post-backward shard_map step bit for bit (and so does a model scanned over
+its layers, sent from inside the reverse scan), resumes from a mid-run
+orbax checkpoint bit for bit (tests/_builder_worker.py asserts these), and
+every process ends with the
 same losses and parameters; jc.optax.diloco through jc.data_parallel ends
 with the anchor of the same run in one process."""
 

@@ -1,6 +1,7 @@
 """Every code block of docs/training-loop.md runs as written: the builder
-under jax.jit, the hand-written shard_map step, pmap and Flax NNX on 8
-devices (each trains: its loss falls), and the multi-process block on 2
+under jax.jit, a model scanned over its layers, the hand-written shard_map
+step, pmap and Flax NNX on 8 devices (each trains: its loss falls), and
+the multi-process block on 2
 processes x 2 devices, started by `python -m jaxcomp launch` (multiprocess
 tier)."""
 
@@ -22,8 +23,8 @@ def _block(marker: str) -> str:
     return block
 
 
-def test_the_page_has_its_five_examples():
-    assert len(BLOCKS) == 5
+def test_the_page_has_its_six_examples():
+    assert len(BLOCKS) == 6
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices")
@@ -34,8 +35,9 @@ def test_the_page_has_its_five_examples():
         ("jax.shard_map(", 0.05),
         ("jax.pmap(train_step", 0.05),
         ("class MLP(nnx.Module)", 0.3),
+        ('compress_gradients("qsgd:bits=4", "data", layers=stacks)', 0.25),
     ],
-    ids=["builder", "shard_map", "pmap", "nnx"],
+    ids=["builder", "shard_map", "pmap", "nnx", "scanned"],
 )
 def test_single_process_examples_run_and_train(marker, final_loss, capsys):
     """(The losses start near the targets' variances: 0.43 for sin, 0.57

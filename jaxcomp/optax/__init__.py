@@ -18,6 +18,7 @@ from jaxcomp.optax._adam import OneBitAdamState, onebit_adam, scale_by_onebit_ad
 from jaxcomp.optax._chain import init
 from jaxcomp.optax._config import DEFAULT_FUSION_BYTES, DEFAULT_MIN_COMPRESS_SIZE
 from jaxcomp.optax._diloco import DiLoCoState, diloco
+from jaxcomp.optax._overlap import LayerStack
 from jaxcomp.optax._plan import Bucket, Plan, make_plan
 from jaxcomp.optax._pmean import PmeanState, pmean, uncompressed_mean
 from jaxcomp.optax._powersgd import PowerSGDState, powersgd
@@ -33,6 +34,7 @@ __all__ = [
     "Bucket",
     "CompressState",
     "DiLoCoState",
+    "LayerStack",
     "OneBitAdamState",
     "Plan",
     "PmeanState",
