@@ -1114,7 +1114,7 @@ def step_buckets(codec: Codec | None, shapes: Sequence[tuple[int, ...]], **plan_
         **plan_options,
     }
     p = make_plan(codec, tree, **options)
-    return [(b.codec, b.size) for b in p.groups]
+    return [(b.codec, b.size) for b in p.groups for _ in range(b.count)]  # a stack: per layer
 
 
 def predict_step(

@@ -511,3 +511,30 @@ def test_a_stack_gathered_whole_or_used_as_an_array_raises():
         step = jc.data_parallel(loss, tx, mesh, overlap=True)
         with pytest.raises(ValueError, match=match):
             step(*step.init(_scanned()), batch)
+
+
+def test_an_nnx_model_scanned_with_nnx_scan_gives_the_post_backward_bits():
+    """The NNX stack of tests/test_fsdp.py (layers made by ``nnx.vmap``,
+    applied by ``nnx.scan`` under ``nnx.remat``, each gathering its own
+    parameter): the variable's value is the ``LayerStack``, and three
+    overlapped steps equal the post-backward ones bit for bit."""
+    from test_fsdp import _layers, _nnx_stack
+
+    mesh = auto_mesh()
+    loss, state0 = _nnx_stack()
+    batch = (jax.random.normal(jax.random.key(1), (64, 64)), jnp.zeros((64, 8)))
+
+    def run(overlap):
+        compress = jc.optax.compress_gradients(
+            "qsgd:bits=4", "data", layers=_layers, min_compress_size=256
+        )
+        step = jc.data_parallel(loss, optax.chain(compress, optax.sgd(0.1)), mesh, overlap=overlap)
+        params, state = step.init(state0)
+        for _ in range(3):
+            params, state, _ = step(params, state, batch)
+        return params, state
+
+    got, want = run(True), run(False)
+    assert [b.layers for b in got[1][0].comm.plan.buckets] == [6, 0]
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
