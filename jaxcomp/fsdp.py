@@ -182,10 +182,9 @@ def gather(x):
     gathered and sharded leaves alike. Gather each handle once per step,
     and wrap the layer in ``jax.checkpoint`` so that the backward pass
     gathers again instead of keeping every layer's parameters."""
-    handles = jax.tree.leaves(x, is_leaf=_is_handle)
-    if not any(_is_handle(h) for h in handles):
-        return x
     leaves, treedef = jax.tree.flatten(x, is_leaf=_is_handle)
+    if not any(_is_handle(v) for v in leaves):
+        return x
     out = [_gather_one(v) if isinstance(v, Shard) else v for v in leaves]
     at = [i for i, v in enumerate(leaves) if isinstance(v, LayerStack)]
     for i, v in zip(at, LayerStack.gather([leaves[i] for i in at]) if at else (), strict=True):

@@ -93,7 +93,6 @@ class _LayerSpec:
     bucket: int
     axes: Hashable | tuple
     algorithm: str
-    feedback_dtype: object
 
     @property
     def path(self) -> str:
@@ -318,7 +317,7 @@ def in_backward(plan: Plan, inputs, config, sizes, first_use: list):
             keys,
             None if warm is None else jnp.broadcast_to(warm, (n,)),
             probe,
-            _LayerSpec(plan, j, axes, config.algorithm, config.feedback_dtype),
+            _LayerSpec(plan, j, axes, config.algorithm),
         )
 
     return wrap, (inputs.residuals, inputs.servers)
