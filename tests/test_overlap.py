@@ -538,3 +538,21 @@ def test_an_nnx_model_scanned_with_nnx_scan_gives_the_post_backward_bits():
     assert [b.layers for b in got[1][0].comm.plan.buckets] == [6, 0]
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_stack_counts_every_layer_in_the_telemetry():
+    """The bytes a step sends, per the telemetry: a stack of 4 layers of
+    64 x 64 sends what its 4 layers, as 4 leaves of their own buckets,
+    send (QSGD-4 two-phase: its server residuals too)."""
+    layers = {"w": jnp.zeros((4, 64, 64))}
+    unrolled = {f"w{i}": jnp.zeros((64, 64)) for i in range(4)}
+    kw = dict(algorithm="two_phase", fusion_bytes=64 * 64 * 4, min_compress_size=256)
+    stacked = jc.optax.compress_gradients("qsgd:bits=4", "data", layers=lambda *_: True, **kw)
+    apart = jc.optax.compress_gradients("qsgd:bits=4", "data", **kw)
+    mesh = auto_mesh()
+    got = jc.optax.init(stacked, layers, mesh, "data")
+    want = jc.optax.init(apart, unrolled, mesh, "data")
+    assert [b.layers for b in got.comm.plan.buckets] == [4]
+    assert len(want.comm.plan.buckets) == 4
+    assert jc.optax.telemetry(got) == jc.optax.telemetry(want)
+    assert got.server_residuals[0].shape[-1] == sum(s.shape[-1] for s in want.server_residuals)

@@ -138,20 +138,17 @@ class LayerStack:
         """One layer's parameters from their slices (inside the scan over
         layers), their gradients averaged in the backward pass, one bucket
         after the other (``jc.fsdp.gather`` calls it)."""
-        return _gather_layers(stacks)
-
-
-def _gather_layers(stacks: list) -> list:
-    for x in stacks:
-        if jnp.ndim(x.key) != 1:
-            raise ValueError(
-                f"jc.fsdp.gather: {x.spec.path} is a compress_gradients(layers=...) leaf, "
-                f"gathered here whole (its keys have shape {jnp.shape(x.key)}, one per layer): "
-                "gather one layer at a time inside the scan over its leading (layer) axis "
-                "(lax.scan, nnx.scan), or leave the leaf out of layers= if it is not a stack"
-            )
-    fields = [(x.value, x.residual, x.server, x.key, x.warm, x.probe) for x in stacks]
-    return _layer_hook(tuple(x.spec for x in stacks), *map(list, zip(*fields, strict=True)))
+        for x in stacks:
+            if jnp.ndim(x.key) != 1:
+                raise ValueError(
+                    f"jc.fsdp.gather: {x.spec.path} is a compress_gradients(layers=...) leaf, "
+                    f"gathered here whole (its keys have shape {jnp.shape(x.key)}, one per "
+                    "layer): gather one layer at a time inside the scan over its leading "
+                    "(layer) axis (lax.scan, nnx.scan), or leave the leaf out of layers= if it "
+                    "is not a stack"
+                )
+        fields = [(x.value, x.residual, x.server, x.key, x.warm, x.probe) for x in stacks]
+        return _layer_hook(tuple(x.spec for x in stacks), *map(list, zip(*fields, strict=True)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -269,6 +266,21 @@ def in_backward(plan: Plan, inputs, config, sizes, first_use: list):
             residuals += rs
         return means, residuals, server, _done((values, kept))
 
+    def stack(j: int, value, residual, server, probe) -> LayerStack:
+        n = plan.buckets[j].layers
+        keys = jax.vmap(lambda layer: jax.random.key_data(layer_key(inputs.step_key, layer)))(
+            jnp.arange(n)
+        )
+        return LayerStack(
+            value,
+            residual,
+            None if server is None else server.reshape(n, server.size // n),
+            keys,
+            None if warm is None else jnp.broadcast_to(warm, (n,)),
+            probe,
+            _LayerSpec(plan, j, axes, config.algorithm),
+        )
+
     def wrap(params, extra):
         residuals, servers = extra
         leaves = plan.treedef.flatten_up_to(params)
@@ -302,22 +314,5 @@ def in_backward(plan: Plan, inputs, config, sizes, first_use: list):
             for j, f in zip(stacked, fields, strict=True):
                 leaves[plan.buckets[j].leaves[0]] = stack(j, *f)
         return plan.treedef.unflatten(leaves)
-
-    step_key = jax.random.wrap_key_data(key_data)
-
-    def stack(j: int, value, residual, server, probe) -> LayerStack:
-        n = plan.buckets[j].layers
-        keys = jax.vmap(lambda layer: jax.random.key_data(layer_key(step_key, layer)))(
-            jnp.arange(n)
-        )
-        return LayerStack(
-            value,
-            residual,
-            None if server is None else server.reshape(n, server.size // n),
-            keys,
-            None if warm is None else jnp.broadcast_to(warm, (n,)),
-            probe,
-            _LayerSpec(plan, j, axes, config.algorithm),
-        )
 
     return wrap, (inputs.residuals, inputs.servers)

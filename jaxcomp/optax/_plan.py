@@ -278,12 +278,11 @@ def make_plan(
                     f"{_WHO}: layers= names {paths[i]}, a scalar; a stacked leaf has a "
                     "leading axis of layers (the axis a scan over layers slices)"
                 )
-            per_layer = sizes[i] // max(1, shapes[i][0])
-            if (
-                shapes[i][0]
-                and _route(paths[i], codec, per_layer, dtypes[i], min_compress_size) == "compressed"
+            n = shapes[i][0]
+            if n and _route(paths[i], codec, sizes[i] // n, dtypes[i], min_compress_size) == (
+                "compressed"
             ):
-                stacked.append(Bucket(codec, dtypes[i], (i,), (per_layer,), shapes[i][0]))
+                stacked.append(Bucket(codec, dtypes[i], (i,), (sizes[i] // n,), n))
                 continue
         route = _route(paths[i], codec, sizes[i], dtypes[i], min_compress_size)
         if route == "passthrough":
